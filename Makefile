@@ -1,0 +1,23 @@
+# One command each, on a fresh Linux box with Python 3.11: `make train`, `make test`.
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+
+$(BIN)/python: requirements.txt
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -r requirements.txt
+	touch $(BIN)/python
+
+venv: $(BIN)/python
+
+train: venv  ## SFT warm-up (reused if present) + GRPO with speculative rollouts on 2 CPU ranks
+	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc_per_node=2 train.py --config configs/default.yaml
+
+test: venv   ## the whole suite, slow end-to-end tests included (CI runs exactly this)
+	$(BIN)/python -m pytest -q tests
+
+bench: venv
+	$(BIN)/python bench.py --suite all
+
+.PHONY: venv train test bench
