@@ -1,0 +1,1 @@
+"""Drafters: propose tokens that the target verifies exactly (see base.py for the interface)."""

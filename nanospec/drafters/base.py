@@ -1,0 +1,54 @@
+"""The one small interface every drafter implements.
+
+A drafter guesses the next k tokens of each running sequence; the target model then verifies all of
+them in one batched forward (speculative.py). Two kinds exist:
+
+* deterministic drafters (n-gram, suffix tree, prior rollout, bubble drafts): the guess is a point
+  mass, q(x) = 1 for the drafted token. They return tokens only (`q=None`).
+* stochastic drafters (4-bit self-drafter, draft model): the guess is *sampled* from a distribution
+  q, and exact verification needs q itself (Leviathan et al. 2023, Alg. 1). They return
+  `q: [B, k_max, V]` with the same temperature/top-k/top-p processing as the target.
+
+Lifecycle hooks, all optional: `observe(seq)` when a sequence finishes (history-based drafters learn
+from it), `free(seq)` when a sequence leaves the engine (finished or aborted; drop per-seq state),
+`refresh(model)` after each policy update (weight sync).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..sequence import Sequence
+
+
+@dataclass
+class Proposal:
+    tokens: list[list[int]]                 # per sequence, 0..k_i draft tokens
+    q: torch.Tensor | None = None           # [B, k_max, V] draft probs (stochastic drafters only)
+    sources: list[str] | None = None        # per sequence, the name of the drafter that proposed
+    lenient_q: torch.Tensor | None = None   # [B, k_max] LOSSY SPEC-RL rule only: q(x)=p_old(x)/lenience
+
+    def __post_init__(self):
+        if self.sources is None:
+            self.sources = [""] * len(self.tokens)
+
+
+class Drafter:
+    name: str = "drafter"
+    stochastic: bool = False   # True: propose() fills Proposal.q
+    needs_kv: bool = False     # True: the engine runs prefill(seqs) for it (own KV cache)
+    lossy: bool = False        # True only for explicitly lossy modes (e.g. prior-rollout lenience)
+
+    def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> Proposal:
+        """Draft up to num_tokens[i] tokens after seqs[i].token_ids (fewer, or none, is fine)."""
+        raise NotImplementedError
+
+    def observe(self, seq: Sequence) -> None:
+        """A sequence finished: its prompt and completion may be used as future drafts."""
+
+    def free(self, seq: Sequence) -> None:
+        """A sequence left the engine (finished or aborted): forget its per-sequence state."""
+
+    def refresh(self, model: torch.nn.Module) -> None:
+        """The policy's weights changed (after an optimizer step): resync anything derived."""

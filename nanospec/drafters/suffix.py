@@ -1,0 +1,190 @@
+"""Suffix-tree drafter over recent rollouts of the same prompt (DAS, distribution-aware spec. decoding).
+
+Why: the G samples of one GRPO prompt, and that prompt's responses from the last few steps, share
+long spans; a policy that changes slowly keeps producing them. So per `prompt_key` we keep a trie of
+every substring (up to `depth` D tokens) of the prompt and of its recent responses, with occurrence
+counts. To draft, we find the longest suffix of the context present in the trie and walk down the
+most frequent child while the path's empirical probability prod(count(child) / count(parent)) stays
+>= min_prob; a longer match earns a longer draft (<= max(1, alpha * match_len)).
+
+* Incremental: `observe(seq)` inserts a finished response at once, so running siblings of the same
+  prompt draft from it in the same step; `next_step()` (once per GRPO step) evicts responses older
+  than `window` steps; `max_nodes` caps each trie (oldest responses go first).
+* Suffix links (node for s -> node for s[1:]) make matching incremental, Aho-Corasick style: each new
+  context token costs O(1) amortised; a trie change only forces an O(D) rescan of the context tail.
+* A response is stored as prompt[-(D-1):] + response so paths that cross from the prompt into the
+  answer (the start of a response) exist; `use_global` adds one trie over all prompts' responses,
+  used when the prompt's own trie matches less.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+from ..sequence import Sequence
+from .base import Drafter, Proposal
+from .ngram import check_budget
+
+
+class _Node:
+    __slots__ = ("children", "count", "link", "depth")
+
+    def __init__(self, depth: int, link: "_Node | None"):
+        self.children: dict[int, _Node] = {}
+        self.count, self.link, self.depth = 0, link, depth
+
+
+class _Trie:
+    """Counts of all substrings (length <= depth) of the inserted texts. Invariant: count(s + t) <=
+    count(s) and count(s) <= count(s[1:]), so deleting zero-count nodes keeps links valid."""
+
+    def __init__(self, depth: int):
+        self.depth, self.root, self.size, self.version = depth, _Node(0, None), 0, 0
+        self.texts: deque[tuple[int, list[int]]] = deque()   # (step observed, text), oldest first
+        self.tail: list[int] = []                            # prompt[-(D-1):] (per-prompt tries)
+        self.last_used = 0
+
+    def insert(self, text: list[int], max_size: int | None = None) -> None:
+        """Suffixes last-first, so the node for s[1:] (s's suffix link) exists when s is created.
+        With max_size, stop before exceeding it (keeps the text's end, the part nearest the answer)."""
+        self.version += 1
+        D, prev = self.depth, []          # prev[d-1]: node of depth d on the previous (later) suffix
+        for i in range(len(text) - 1, -1, -1):
+            if max_size is not None and self.size + D > max_size:
+                return
+            node, path = self.root, []
+            for d, t in enumerate(text[i:i + D]):
+                child = node.children.get(t)
+                if child is None:
+                    child = node.children[t] = _Node(d + 1, prev[d - 1] if d else self.root)
+                    self.size += 1
+                child.count += 1
+                path.append(child)
+                node = child
+            prev = path
+
+    def remove(self, text: list[int]) -> None:
+        self.version += 1
+        for i in range(len(text)):
+            node, seg = self.root, text[i:i + self.depth]
+            for d, t in enumerate(seg):
+                child = node.children[t]
+                child.count -= 1
+                if child.count == 0:       # its subtree is just the rest of this path (counts <= 0)
+                    del node.children[t]
+                    self.size -= len(seg) - d
+                    break
+                node = child
+
+    def step(self, node: _Node, t: int) -> _Node:
+        """Longest suffix in the trie of (string of node) + t; nodes at depth D have no children."""
+        while t not in node.children and node is not self.root:
+            node = node.link
+        return node.children.get(t, node)
+
+    def draft(self, node: _Node, k: int, alpha: float, min_prob: float) -> list[int]:
+        while node.depth > max(self.depth - k, self.depth // 2):   # leave room below for k tokens
+            node = node.link
+        while node is not self.root:       # no continuation here: retry with a shorter match
+            out, prob, cur = [], 1.0, node
+            cap = min(k, max(1, int(node.depth * alpha)))
+            while len(out) < cap and cur.children:
+                t, child = max(cur.children.items(), key=lambda kv: kv[1].count)
+                prob *= child.count / cur.count
+                if prob < min_prob:
+                    break
+                out.append(t)
+                cur = child
+            if out:
+                return out
+            node = node.link
+        return []
+
+
+class SuffixDrafter(Drafter):
+    name = "suffix"
+
+    def __init__(self, depth: int = 24, window: int = 2, min_prob: float = 0.1, alpha: float = 1.0,
+                 max_nodes: int = 200_000, use_global: bool = False, global_max_nodes: int = 1_000_000):
+        if depth < 2:
+            raise ValueError(f"SuffixDrafter: depth must be >= 2, got {depth}")
+        if window < 1:
+            raise ValueError(f"SuffixDrafter: window must be >= 1 (rollout steps), got {window}")
+        if not 0.0 <= min_prob <= 1.0:
+            raise ValueError(f"SuffixDrafter: min_prob must be in [0, 1], got {min_prob}")
+        if alpha <= 0:
+            raise ValueError(f"SuffixDrafter: alpha must be > 0, got {alpha}")
+        if max_nodes < depth or global_max_nodes < depth:
+            raise ValueError(f"SuffixDrafter: max_nodes/global_max_nodes must be >= depth ({depth}), "
+                             f"got {max_nodes}/{global_max_nodes}")
+        self.depth, self.window, self.min_prob, self.alpha = depth, window, min_prob, alpha
+        self.max_nodes, self.global_max_nodes = max_nodes, global_max_nodes
+        self.step = 0
+        self._trees: dict = {}                                 # prompt_key -> _Trie
+        self._global = _Trie(depth) if use_global else None
+        self._match: dict[int, dict[str, tuple]] = {}          # seq_id -> slot -> (trie, version, len, node)
+
+    def _tree(self, seq: Sequence) -> _Trie:
+        tree = self._trees.get(seq.prompt_key)
+        if tree is None:
+            tree = self._trees[seq.prompt_key] = _Trie(self.depth)
+            prompt = seq.prompt_token_ids
+            tree.insert(prompt, self.max_nodes)
+            tree.tail = prompt[-(self.depth - 1):]
+        tree.last_used = self.step
+        return tree
+
+    def _evict(self, trie: _Trie, max_nodes: int) -> None:
+        while trie.texts and (self.step - trie.texts[0][0] >= self.window or trie.size > max_nodes):
+            trie.remove(trie.texts.popleft()[1])
+
+    def _add(self, trie: _Trie, text: list[int], max_nodes: int) -> None:
+        trie.texts.append((self.step, text))
+        trie.insert(text)
+        self._evict(trie, max_nodes)
+
+    def observe(self, seq: Sequence) -> None:
+        tree, resp = self._tree(seq), seq.completion_token_ids
+        if resp:
+            self._add(tree, tree.tail + resp, self.max_nodes)
+            if self._global is not None:
+                self._add(self._global, resp, self.global_max_nodes)
+
+    def next_step(self) -> None:
+        """One GRPO step passed: evict responses older than `window` steps and idle prompts' tries."""
+        self.step += 1
+        for key, tree in list(self._trees.items()):
+            self._evict(tree, self.max_nodes)
+            if not tree.texts and self.step - tree.last_used >= self.window:
+                del self._trees[key]
+        if self._global is not None:
+            self._evict(self._global, self.global_max_nodes)
+
+    def _match_node(self, seq: Sequence, slot: str, trie: _Trie) -> _Node:
+        toks, L = seq.token_ids, len(seq.token_ids)
+        st = self._match.setdefault(seq.seq_id, {}).get(slot)
+        if st is not None and st[0] is trie and st[1] == trie.version and 0 <= L - st[2] <= trie.depth:
+            node, new = st[3], toks[st[2]:]          # same trie: advance over the new tokens only
+        else:
+            node, new = trie.root, toks[-trie.depth:]  # trie changed: rescan the last D tokens
+        for t in new:
+            node = trie.step(node, t)
+        self._match[seq.seq_id][slot] = (trie, trie.version, L, node)
+        return node
+
+    def _draft(self, seq: Sequence, k: int) -> list[int]:
+        tree = self._tree(seq)
+        node = self._match_node(seq, "prompt", tree)
+        draft = tree.draft(node, k, self.alpha, self.min_prob)
+        if self._global is not None:
+            g = self._match_node(seq, "global", self._global)
+            if not draft or g.depth > node.depth:
+                draft = self._global.draft(g, k, self.alpha, self.min_prob) or draft
+        return draft
+
+    def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> Proposal:
+        check_budget(seqs, num_tokens)
+        tokens = [self._draft(s, k) if k > 0 else [] for s, k in zip(seqs, num_tokens)]
+        return Proposal(tokens=tokens, sources=[self.name if t else "" for t in tokens])
+
+    def free(self, seq: Sequence) -> None:
+        self._match.pop(seq.seq_id, None)

@@ -1,0 +1,315 @@
+"""`LLM`: the vLLM-shaped front door. Requests in, one engine step at a time, outputs out.
+
+    llm = LLM("path/to/hf_dir", speculative={"method": "suffix", "num_draft_tokens": 5})
+    outs = llm.generate(prompts, SamplingParams(temperature=1.0, max_tokens=128, n=8))
+
+One engine step = one target forward over the scheduled batch:
+    prefill : each sequence feeds its uncomputed prompt tokens; fresh ones sample their first token
+    decode  : each sequence feeds [last token] + its drafts (k_i >= 0, from the drafter), then
+              speculative.verify keeps the accepted prefix and samples one more token
+Rejected drafts are rolled back by shortening: num_computed = len - 1 and surplus blocks are freed.
+"""
+from __future__ import annotations
+
+import time
+import warnings
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+from . import speculative
+from .block_manager import BlockManager
+from .drafters.base import Drafter, Proposal
+from .loader import load_model, resolve_dtype
+from .model import CausalLM
+from .runner import Runner
+from .sampler import SamplingTensors
+from .scheduler import Scheduler
+from .sequence import SamplingParams, Sequence, Status
+
+
+@dataclass
+class RequestOutput:
+    request_id: int
+    sample_index: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]       # log_softmax(logits / T)[token], target model, full vocab (sampler.py)
+    from_verify: list[bool]     # token emitted by a verify step that had drafts
+    text: str | None
+    finish_reason: str
+
+
+class LLM:
+    def __init__(self, model: str | CausalLM, tokenizer=None, *, dtype="float32", device="cpu",
+                 max_num_seqs: int = 64, block_size: int = 16, num_kv_blocks: int | None = None,
+                 max_model_len: int | None = None, max_num_batched_tokens: int | None = None,
+                 speculative: dict | list | None = None, prefix_caching: bool = True, seed: int = 0,
+                 policy=None):
+        if isinstance(model, (str, bytes)) or hasattr(model, "__fspath__"):
+            if device == "cuda" and not torch.cuda.is_available():
+                raise RuntimeError("device='cuda' requested but torch.cuda.is_available() is False")
+            if tokenizer is None:
+                from transformers import AutoTokenizer
+                tokenizer = AutoTokenizer.from_pretrained(str(model))
+            model = load_model(model, dtype=dtype, device=device)
+        self.model = model.to(resolve_dtype(dtype)).eval() if dtype else model.eval()
+        self.tokenizer = tokenizer
+        a = model.args
+        self.vocab_size = a.vocab_size
+        self.max_model_len = min(max_model_len or a.max_position_embeddings, a.max_position_embeddings)
+        if block_size < 1 or block_size & (block_size - 1):
+            raise ValueError(f"block_size must be a power of 2, got {block_size}")
+        blocks_per_seq = -(-self.max_model_len // block_size)
+        num_kv_blocks = num_kv_blocks or max_num_seqs * blocks_per_seq
+        self.blocks = BlockManager(num_kv_blocks, block_size, prefix_caching)
+        self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens or
+                                   max(self.max_model_len, 4096))
+        self.runner = Runner(self.model, num_kv_blocks, block_size)
+        self.device = self.runner.device
+        eos = a.eos_token_id if tokenizer is None else tokenizer.eos_token_id
+        self.eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        self.generator = torch.Generator().manual_seed(seed)
+        self.spec_config = speculative
+        self.drafter: Drafter | None = self._make_drafter(speculative) if speculative else None
+        self.policy = policy      # optional policies.SpeculationPolicy: per-seq budgets, toggle, ladder
+        if self.drafter is not None and self.drafter.lossy:
+            warnings.warn("speculative config uses a LOSSY option (lenience): samples no longer follow "
+                          "the target distribution exactly; stats are labelled lossy", stacklevel=2)
+        self.reset_stats()
+
+    # ---- drafters -------------------------------------------------------------------------------
+    def _make_drafter(self, spec) -> Drafter:
+        from .drafters.chain import make_drafter
+        return make_drafter(spec, model_drafter_factory=self._model_drafter, vocab_size=self.vocab_size)
+
+    def _model_drafter(self, spec: dict) -> Drafter:
+        """Drafters that run a model with their own KV over our block tables (self / draft_model)."""
+        from .drafters.model_drafter import build_model_drafter
+        return build_model_drafter(spec, self)
+
+    def default_draft_len(self) -> int:
+        specs = self.spec_config if isinstance(self.spec_config, list) else [self.spec_config]
+        return max(int(s.get("num_draft_tokens", 5)) for s in specs)
+
+    # ---- requests -------------------------------------------------------------------------------
+    def _tokenize(self, prompt, i: int) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"request {i}: prompt is a string but the LLM has no tokenizer")
+            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        else:
+            ids = list(prompt)
+        if not ids:
+            raise ValueError(f"request {i}: prompt is empty")
+        if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in ids):
+            raise ValueError(f"request {i}: prompt token ids must be ints in [0, {self.vocab_size})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"request {i}: prompt has {len(ids)} tokens, max_model_len is {self.max_model_len}")
+        return ids
+
+    def add_request(self, prompt, params: SamplingParams, request_id: int = 0, prompt_key=None) -> list[Sequence]:
+        params.validate(f"request {request_id}: SamplingParams")
+        ids = self._tokenize(prompt, request_id)
+        seqs = []
+        for j in range(params.n):
+            gen = None if params.seed is None else torch.Generator().manual_seed(params.seed * 1_000_003 + j)
+            seq = Sequence(ids, params, request_id=request_id, sample_index=j, prompt_key=prompt_key,
+                           generator=gen)
+            self.scheduler.add(seq)
+            seqs.append(seq)
+        return seqs
+
+    def abort(self, seq: Sequence) -> None:
+        """Drop a request mid-flight: frees its KV blocks and its drafter state."""
+        if not seq.is_finished:
+            self.scheduler.finish(seq, "abort")
+            if self.drafter:
+                self.drafter.free(seq)
+
+    def generate(self, prompts, sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
+                 prompt_keys=None) -> list[RequestOutput]:
+        """Outputs are flat and group-major: prompt 0's n samples, then prompt 1's, ..."""
+        params = sampling_params or SamplingParams()
+        if isinstance(prompts, (str,)) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        seqs = []
+        for i, p in enumerate(prompts):
+            seqs += self.add_request(p, params, i, None if prompt_keys is None else prompt_keys[i])
+        bar = tqdm(total=len(seqs), disable=not use_tqdm, desc="generate", leave=False)
+        while self.scheduler.has_work():
+            bar.update(len(self.step()))
+        bar.close()
+        return [self.output(s) for s in seqs]
+
+    def output(self, seq: Sequence) -> RequestOutput:
+        text = self.tokenizer.decode(seq.completion_token_ids, skip_special_tokens=True) if self.tokenizer else None
+        return RequestOutput(seq.request_id, seq.sample_index, seq.prompt_token_ids, seq.completion_token_ids,
+                             seq.logprobs, seq.from_verify, text, seq.finish_reason)
+
+    # ---- one engine step ------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[Sequence]:
+        """Run one forward; returns the sequences that finished in this step."""
+        seqs, is_prefill = self.scheduler.schedule()
+        if not seqs:
+            return []
+        if is_prefill:
+            return self._prefill(seqs)
+        return self._decode(seqs)
+
+    def _prefill(self, seqs: list[Sequence]) -> list[Sequence]:
+        starts = [s.num_computed for s in seqs]
+        ends = [Scheduler.prefill_end(s) for s in seqs]
+        tokens = [s.token_ids[a:b] for s, a, b in zip(seqs, starts, ends)]
+        hidden = self.runner.forward(seqs, tokens, starts)
+        self.stats["target_forwards"] += 1
+        self.stats["prefill_tokens"] += sum(b - a for a, b in zip(starts, ends))
+        if self.drafter is not None and self.drafter.needs_kv:
+            self.drafter.prefill(seqs, tokens, starts)
+        for s, b in zip(seqs, ends):
+            s.num_computed = b
+        fresh = [i for i, s in enumerate(seqs) if len(s) == s.num_prompt_tokens]
+        if not fresh:
+            return []
+        last = torch.tensor([len(tokens[i]) - 1 for i in fresh], device=self.device)
+        logits = self.model.logits(hidden[fresh, last].unsqueeze(1))             # [F, 1, V]
+        return self._verify_and_append([seqs[i] for i in fresh], logits, Proposal([[] for _ in fresh]), False)
+
+    def _decode(self, seqs: list[Sequence]) -> list[Sequence]:
+        proposal = self._propose(seqs)
+        tokens = [[s.last_token] + d for s, d in zip(seqs, proposal.tokens)]
+        t0 = time.perf_counter()
+        hidden = self.runner.forward(seqs, tokens, [len(s) - 1 for s in seqs])
+        logits = self.model.logits(hidden)                                       # [B, K+1, V]
+        self.stats["target_forwards"] += 1
+        finished = self._verify_and_append(seqs, logits, proposal, True)
+        if self.policy is not None:
+            self.policy.observe_forward(len(seqs), seqs, tokens, time.perf_counter() - t0)
+        return finished
+
+    def _propose(self, seqs: list[Sequence]) -> Proposal:
+        empty = Proposal([[] for _ in seqs])
+        if self.drafter is None:
+            return empty
+        budgets = (self.policy.budgets(seqs, self.default_draft_len()) if self.policy is not None
+                   else [self.default_draft_len()] * len(seqs))
+        # never draft past max_tokens, the model's length, or the KV blocks we can get
+        budgets = [max(0, min(k, s.params.max_tokens - s.num_completion_tokens - 1,
+                              self.max_model_len - len(s) - 1)) for s, k in zip(seqs, budgets)]
+        for s, k in zip(seqs, budgets):
+            if k:   # best effort: drafts are optional, so a short pool only clips them
+                self.blocks.ensure(s, len(s) + k)
+        budgets = [min(k, len(s.block_table) * self.blocks.block_size - len(s)) for s, k in zip(seqs, budgets)]
+        if not any(budgets):
+            return empty
+        t0 = time.perf_counter()
+        proposal = self.drafter.propose(seqs, budgets)
+        if self.policy is not None:
+            proposal = self.policy.clip(proposal, budgets)
+            self.policy.observe_draft_time(time.perf_counter() - t0)
+        for i, k in enumerate(budgets):
+            assert len(proposal.tokens[i]) <= k, f"drafter {proposal.sources[i]} proposed past its budget"
+        return proposal
+
+    def _verify_and_append(self, seqs, logits, proposal: Proposal, is_decode: bool) -> list[Sequence]:
+        B, K1, V = logits.shape
+        K = K1 - 1
+        st = SamplingTensors.from_params([s.params for s in seqs], V, self.device)
+        draft = torch.tensor([d + [0] * (K - len(d)) for d in proposal.tokens], dtype=torch.long,
+                             device=self.device).view(B, K)
+        num_draft = torch.tensor([len(d) for d in proposal.tokens], device=self.device)
+        u = torch.stack([1.0 - torch.rand(K1, generator=s.generator or self.generator) for s in seqs])
+        u = u.to(self.device)
+        q = proposal.q[:, :K] if proposal.q is not None else None
+        lq = proposal.lenient_q[:, :K] if proposal.lenient_q is not None else None
+        n, toks, lps = speculative.verify(logits, draft, num_draft, st, u[:, :K], u[:, K], q, lq)
+        host = torch.cat([n.unsqueeze(1).double(), toks.double(), lps.double()], 1).tolist()  # one sync
+        finished = []
+        for s, row, d, src in zip(seqs, host, proposal.tokens, proposal.sources):
+            n_acc = int(row[0])
+            emitted = [int(t) for t in row[1:2 + n_acc]]
+            logprobs = row[2 + K:3 + K + n_acc]
+            self._count(src, len(d), n_acc)
+            for t, lp in zip(emitted, logprobs):
+                s.token_ids.append(t)
+                s.logprobs.append(lp)
+                s.from_verify.append(bool(d))
+                self.stats["generated_tokens"] += 1
+                reason = self._finish_reason(s, t)
+                if reason:
+                    break
+            self.stats["seq_forwards"] += 1
+            if not reason:
+                s.num_computed = len(s) - 1
+                s.num_draft_computed = min(s.num_draft_computed, s.num_computed)
+                self.blocks.truncate(s, len(s))
+            else:
+                self.scheduler.finish(s, reason)
+                if self.drafter is not None:
+                    self.drafter.observe(s)
+                    self.drafter.free(s)
+                finished.append(s)
+        return finished
+
+    def _finish_reason(self, s: Sequence, token: int) -> str | None:
+        if not s.params.ignore_eos and (token in self.eos_ids or token in s.params.stop_token_ids):
+            return "stop"
+        if s.num_completion_tokens >= s.params.max_tokens or len(s) >= self.max_model_len:
+            return "length"
+        return None
+
+    # ---- stats and weights ----------------------------------------------------------------------
+    def _count(self, source: str, proposed: int, accepted: int) -> None:
+        if not proposed:
+            return
+        st = self.stats
+        st["verify_steps"] += 1
+        st["proposed_tokens"] += proposed
+        st["accepted_tokens"] += accepted
+        per = st["per_drafter"][source]
+        per["verify_steps"] += 1
+        per["proposed"] += proposed
+        per["accepted"] += accepted
+        if self.policy is not None:
+            self.policy.observe_acceptance(source, proposed, accepted)
+
+    def reset_stats(self) -> None:
+        self.stats = defaultdict(int)
+        self.stats["per_drafter"] = defaultdict(lambda: defaultdict(int))
+
+    def summary(self) -> dict:
+        """Flat derived stats: forwards per token, mean accepted length (accepted + 1 per verify)."""
+        st = self.stats
+        out = {k: v for k, v in st.items() if k != "per_drafter"}
+        tokens = max(st["generated_tokens"], 1)
+        out["target_forwards_per_token"] = st["seq_forwards"] / tokens
+        out["mean_accepted_len"] = (st["accepted_tokens"] + st["verify_steps"]) / max(st["verify_steps"], 1)
+        out["acceptance_rate"] = st["accepted_tokens"] / max(st["proposed_tokens"], 1)
+        out["lossy"] = bool(self.drafter is not None and self.drafter.lossy)
+        for name, d in st["per_drafter"].items():
+            pre = f"drafter/{name}/"
+            out[pre + "proposed"], out[pre + "accepted"] = d["proposed"], d["accepted"]
+            out[pre + "verify_steps"] = d["verify_steps"]
+            out[pre + "acceptance_rate"] = d["accepted"] / max(d["proposed"], 1)
+            out[pre + "mean_accepted_len"] = (d["accepted"] + d["verify_steps"]) / max(d["verify_steps"], 1)
+        return out
+
+    @torch.no_grad()
+    def load_weights(self, state_dict: dict) -> None:
+        """In-place copy (tensor identity preserved for graphs/drafters), then refresh drafters."""
+        params = self.model.state_dict()
+        for name, t in state_dict.items():
+            if name not in params:
+                raise ValueError(f"load_weights: unexpected tensor {name!r}")
+            if params[name].shape != t.shape:
+                raise ValueError(f"load_weights: {name!r} has shape {tuple(t.shape)}, expected {tuple(params[name].shape)}")
+            params[name].copy_(t)
+        if self.drafter is not None:
+            self.drafter.refresh(self.model)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.blocks.num_free

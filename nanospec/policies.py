@@ -1,0 +1,355 @@
+"""When and where to speculate: cost model, on/off toggle, draft-length ladder, length-aware scheduling.
+
+Everything here only chooses *how much* to speculate (on/off, k, which rank runs which prompt); none
+of it touches what is sampled, so every policy is exact by construction (DESIGN.md, Exactness).
+Sources: EfficientRollout (papers/004): system-aware toggle, acceptance-aware draft length;
+DAS (papers/001): length-aware inter-rank assignment and per-length speculation budgets;
+Leviathan et al. 2023, eq. 1: expected tokens per verify step under i.i.d. acceptance.
+"""
+from __future__ import annotations
+
+import bisect
+import math
+import statistics
+from collections import deque
+from typing import Callable, Hashable, Sequence
+
+import numpy as np
+from scipy.optimize import nnls
+
+
+def _check(ok: bool, field: str, expected: str, got) -> None:
+    if not ok:
+        raise ValueError(f"{field}: expected {expected}, got {got!r}")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+class LatencyModel:
+    """Seconds of one batched target forward: t(B, C, Q) = w . [1, B, B*Q, B*C, B*Q*C].
+
+    B = sequences in the step, C = mean cached context per sequence, Q = query tokens per sequence
+    (1 = plain decode, k+1 = verify). One feature per cost a decoder step pays:
+      1      fixed per-step overhead (Python, kernel launches; dominates at batch 1 on CPU)
+      B      per-sequence work (sampling, cache indexing)
+      B*Q    token-proportional matmuls (projections + MLP over B*Q rows)
+      B*C    reading each sequence's KV cache once (memory traffic, independent of Q)
+      B*Q*C  attention: every query token against every cached key
+    Fit: nonnegative least squares on *relative* error (each row divided by its time). Nonnegative
+    weights on nondecreasing features keep t monotone in B, C and Q, so noise never makes a longer
+    verify look cheaper; relative error keeps the ~1 ms small-batch steps, where the toggle's call
+    matters most (DESIGN.md), as accurate as the 20 ms large-batch ones.
+    Online: `observe` keeps the `fit` samples as anchors (they cover Q > 1 even while the toggle is
+    off and only decodes are timed) plus a bounded deque of recent samples; refit every `refit_every`.
+    """
+
+    def __init__(self, coef: Sequence[float] | None = None, min_seconds: float = 1e-6,
+                 buffer: int = 256, refit_every: int = 16):
+        _check(min_seconds > 0, "min_seconds", "> 0", min_seconds)
+        _check(_is_int(buffer) and buffer >= 1, "buffer", "an int >= 1", buffer)
+        _check(_is_int(refit_every) and refit_every >= 1, "refit_every", "an int >= 1", refit_every)
+        if coef is not None:
+            coef = np.asarray(coef, dtype=float)
+            _check(coef.shape == (5,) and bool(np.all(coef >= 0)), "coef", "5 nonnegative floats", coef)
+        self.coef, self.min_seconds, self.refit_every = coef, min_seconds, refit_every
+        self.anchors: list[tuple] = []
+        self.recent: deque = deque(maxlen=buffer)
+        self._since_fit = 0
+
+    @staticmethod
+    def features(B: float, C: float, Q: float) -> np.ndarray:
+        return np.array([1.0, B, B * Q, B * C, B * Q * C], dtype=float)
+
+    @staticmethod
+    def _sample(s) -> tuple:
+        _check(len(s) == 4, "sample", "(B, C, Q, seconds)", s)
+        B, C, Q, t = s
+        _check(B >= 1 and C >= 0 and Q >= 1, "sample", "B >= 1, C >= 0, Q >= 1", s)
+        _check(math.isfinite(t) and t > 0, "sample seconds", "a finite time > 0", t)
+        return float(B), float(C), float(Q), float(t)
+
+    def fit(self, samples: Sequence[tuple]) -> "LatencyModel":
+        _check(len(samples) > 0, "samples", "a non-empty list of (B, C, Q, seconds)", samples)
+        self.anchors = [self._sample(s) for s in samples]
+        self._refit()
+        return self
+
+    def _refit(self) -> None:
+        rows = self.anchors + list(self.recent)
+        X = np.stack([self.features(B, C, Q) for B, C, Q, _ in rows])
+        y = np.array([r[3] for r in rows])
+        X = X / y[:, None]                                 # minimise sum(((pred - t) / t)^2)
+        scale = np.linalg.norm(X, axis=0)
+        scale[scale == 0] = 1.0                            # e.g. all C == 0: that weight stays 0
+        w, _ = nnls(X / scale, np.ones(len(rows)))         # column scaling: B*Q*C ~ 1e6 vs 1
+        self.coef = w / scale
+        self._since_fit = 0
+
+    def predict(self, B: float, C: float, Q: float) -> float:
+        if self.coef is None:
+            raise RuntimeError("LatencyModel.predict: not fitted; call fit() or calibrate() first")
+        return max(float(self.features(B, C, Q) @ self.coef), self.min_seconds)
+
+    def observe(self, B: float, C: float, Q: float, seconds: float) -> None:
+        self.recent.append(self._sample((B, C, Q, seconds)))
+        self._since_fit += 1
+        if self._since_fit >= self.refit_every:
+            self._refit()
+
+    def calibrate(self, time_fn: Callable[[int, int, int], float], batch_sizes: Sequence[int],
+                  ctx_lens: Sequence[int], query_lens: Sequence[int], repeats: int = 3) -> list:
+        """Time every (B, C, Q) of the grid `repeats` times, fit on the medians (robust to warm-up
+        and the ±10% run-to-run noise), return the samples."""
+        _check(_is_int(repeats) and repeats >= 1, "repeats", "an int >= 1", repeats)
+        samples = [(B, C, Q, statistics.median(float(time_fn(B, C, Q)) for _ in range(repeats)))
+                   for B in batch_sizes for C in ctx_lens for Q in query_lens]
+        self.fit(samples)
+        return samples
+
+
+def expected_accepted(alpha: float, k: int) -> float:
+    """E[accepted drafts] of k, each accepted w.p. alpha until the first rejection:
+    (1 - alpha^(k+1)) / (1 - alpha) - 1 (Leviathan et al. eq. 1 minus the bonus token)
+    = alpha + ... + alpha^k, summed directly so alpha = 1 gives k without cancellation."""
+    _check(0.0 <= alpha <= 1.0, "alpha", "a probability in [0, 1]", alpha)
+    _check(_is_int(k) and k >= 0, "k", "an int >= 0", k)
+    return float(sum(alpha ** i for i in range(1, k + 1)))
+
+
+def predicted_speedup(latency: LatencyModel, batch_size: float, ctx_len: float, k: int,
+                      expected_accepted_tokens: float, draft_time: float) -> float:
+    """(E[accepted] + 1 bonus) tokens per verify step, over the tokens one plain decode gives in the
+    same time: (E + 1) * t(B, C, 1) / (draft_time + t(B, C, k + 1))."""
+    _check(_is_int(k) and k >= 1, "k", "an int >= 1", k)
+    _check(0 <= expected_accepted_tokens <= k, "expected_accepted_tokens", f"in [0, k={k}]",
+           expected_accepted_tokens)
+    _check(draft_time >= 0, "draft_time", "seconds >= 0", draft_time)
+    t_ar, t_verify = latency.predict(batch_size, ctx_len, 1), latency.predict(batch_size, ctx_len, k + 1)
+    return (expected_accepted_tokens + 1) * t_ar / (draft_time + t_verify)
+
+
+def best_k(latency: LatencyModel, batch_size: float, ctx_len: float, alpha: float,
+           draft_time_per_token: float = 0.0, max_k: int = 8) -> tuple[int, float]:
+    """The k in 1..max_k with the highest predicted speedup (drafting assumed linear in k)."""
+    _check(_is_int(max_k) and max_k >= 1, "max_k", "an int >= 1", max_k)
+    return max(((k, predicted_speedup(latency, batch_size, ctx_len, k, expected_accepted(alpha, k),
+                                      k * draft_time_per_token)) for k in range(1, max_k + 1)),
+               key=lambda ks: (ks[1], -ks[0]))
+
+
+class SpeculationToggle:
+    """System-aware on/off (EfficientRollout): speculate this step iff predicted speedup >= min_speedup.
+    The engine passes the *measured* draft time, so a drafter that is slow on this machine (the nf4
+    self-drafter on CPU, DESIGN.md) is switched off by the numbers, not by a rule."""
+
+    def __init__(self, latency: LatencyModel, min_speedup: float = 1.05):
+        _check(min_speedup > 0, "min_speedup", "> 0", min_speedup)
+        self.latency, self.min_speedup = latency, min_speedup
+        self.reset_stats()
+
+    def decide(self, batch_size: float, ctx_len: float, k: int, expected_accepted_tokens: float,
+               draft_time: float) -> tuple[bool, float]:
+        s = predicted_speedup(self.latency, batch_size, ctx_len, k, expected_accepted_tokens, draft_time)
+        on = s >= self.min_speedup
+        self._steps, self._on, self._sum = self._steps + 1, self._on + on, self._sum + s
+        return on, s
+
+    def reset_stats(self) -> None:
+        self._steps, self._on, self._sum = 0, 0, 0.0
+
+    def stats(self) -> dict:
+        n = max(self._steps, 1)
+        return {"toggle_steps": self._steps, "toggle_on_steps": self._on,
+                "toggle_on_fraction": self._on / n, "toggle_mean_predicted_speedup": self._sum / n}
+
+
+class DraftLengthLadder:
+    """Acceptance-aware draft length (EfficientRollout), one rung per drafter name.
+
+    Rate: per-token acceptance alpha_hat = accepted / (accepted + rejections), a rejection being a
+    verify step that stopped before the end of its draft: the maximum-likelihood alpha of the model
+    behind `expected_accepted`. Unlike accepted/proposed it does not fall just because k grew (at
+    alpha = 0.9 accepted/proposed is 0.74 at k=5 but 0.56 at k=11), so a step up does not by itself
+    push the next window down and the ladder does not oscillate.
+    Window: `window` proposed draft tokens: the same evidence per decision at any rung or batch size.
+    Moves: one rung up after two consecutive windows with rate >= up, one down after two <= down; a
+    window in between, or a move, resets the streak. Start: rung `start` (default 0, the shortest):
+    a fresh drafter (new weights, empty suffix tree) is usually poor, long wrong drafts waste verify
+    compute on every sequence, and two good windows suffice to climb.
+    """
+
+    def __init__(self, ladder: Sequence[int] = (3, 5, 7, 9, 11), up: float = 0.94, down: float = 0.85,
+                 window: int = 128, start: int = 0):
+        ladder = tuple(ladder)
+        _check(len(ladder) > 0 and all(_is_int(k) and k >= 1 for k in ladder)
+               and all(a < b for a, b in zip(ladder, ladder[1:])),
+               "ladder", "a non-empty strictly increasing sequence of ints >= 1", ladder)
+        _check(0 < down < up <= 1, "up/down", "0 < down < up <= 1", (up, down))
+        _check(_is_int(window) and window >= 1, "window", "an int >= 1 (proposed tokens)", window)
+        _check(_is_int(start) and 0 <= start < len(ladder), "start", f"a rung index in [0, {len(ladder)})", start)
+        self.ladder, self.up, self.down, self.window, self.start = ladder, up, down, window, start
+        self._s: dict[str, dict] = {}
+
+    def _state(self, name: str) -> dict:
+        return self._s.setdefault(name, dict(rung=self.start, proposed=0, accepted=0, rejected=0,
+                                             high=0, low=0, rate=None))
+
+    def update(self, name: str, proposed: int, accepted: int, rejected: int | None = None) -> int:
+        """One verify step of one sequence (`rejected` defaults to accepted < proposed), or counts
+        summed over several steps with `rejected` = how many of them stopped early. Returns current k."""
+        _check(_is_int(proposed) and proposed >= 0, "proposed", "an int >= 0", proposed)
+        _check(_is_int(accepted) and 0 <= accepted <= proposed, "accepted", f"an int in [0, {proposed}]", accepted)
+        need = int(accepted < proposed)
+        rejected = need if rejected is None else rejected
+        _check(_is_int(rejected) and rejected >= need, "rejected", f"an int >= {need}", rejected)
+        s = self._state(name)
+        s["proposed"] += proposed; s["accepted"] += accepted; s["rejected"] += rejected
+        if s["proposed"] >= self.window:
+            rate = s["accepted"] / (s["accepted"] + s["rejected"])   # > 0: proposed > 0
+            s.update(proposed=0, accepted=0, rejected=0, rate=rate)
+            s["high"] = s["high"] + 1 if rate >= self.up else 0
+            s["low"] = s["low"] + 1 if rate <= self.down else 0
+            if s["high"] >= 2 and s["rung"] < len(self.ladder) - 1:
+                s.update(rung=s["rung"] + 1, high=0, low=0)
+            elif s["low"] >= 2 and s["rung"] > 0:
+                s.update(rung=s["rung"] - 1, high=0, low=0)
+        return self.ladder[s["rung"]]
+
+    def current(self, name: str) -> int:
+        return self.ladder[self._s[name]["rung"] if name in self._s else self.start]
+
+    def acceptance_rate(self, name: str) -> float | None:
+        """Rate of the last complete window; the open window's before the first; None if no data."""
+        s = self._s.get(name)
+        if s is None:
+            return None
+        if s["rate"] is not None:
+            return s["rate"]
+        n = s["accepted"] + s["rejected"]
+        return s["accepted"] / n if n else None
+
+
+class LengthPredictor:
+    """Response-length prediction per prompt (DAS) from that prompt's earlier rollouts.
+
+    Per prompt: an EMA (weight `decay` on the newest) of a group statistic, by default the max over
+    the G samples (a GRPO group is done when its slowest sample is). Unseen prompts get the running
+    mean of every group statistic observed, or `prior` before the first observation.
+    """
+
+    def __init__(self, prior: float = 64.0, decay: float = 0.5, reduce: str = "max"):
+        _check(prior >= 0, "prior", "a length >= 0", prior)
+        _check(0 < decay <= 1, "decay", "in (0, 1]", decay)
+        _check(reduce in ("max", "mean"), "reduce", "'max' or 'mean'", reduce)
+        self.prior, self.decay, self.reduce = float(prior), decay, reduce
+        self.ema: dict[Hashable, float] = {}
+        self.total, self.count = 0.0, 0
+
+    def observe(self, prompt_key: Hashable, lengths: Sequence[int]) -> None:
+        _check(len(lengths) > 0 and all(x >= 0 for x in lengths), "lengths",
+               "a non-empty list of lengths >= 0", lengths)
+        x = float(max(lengths) if self.reduce == "max" else sum(lengths) / len(lengths))
+        old = self.ema.get(prompt_key)
+        self.ema[prompt_key] = x if old is None else (1 - self.decay) * old + self.decay * x
+        self.total, self.count = self.total + x, self.count + 1
+
+    def predict(self, prompt_key: Hashable) -> float:
+        if prompt_key in self.ema:
+            return self.ema[prompt_key]
+        return self.total / self.count if self.count else self.prior
+
+    def state_dict(self) -> dict:
+        return {"prior": self.prior, "decay": self.decay, "reduce": self.reduce,
+                "total": self.total, "count": self.count, "ema": dict(self.ema)}
+
+    def load_state_dict(self, state: dict) -> None:
+        missing = {"prior", "decay", "reduce", "total", "count", "ema"} - set(state)
+        _check(not missing, "state", f"a LengthPredictor state_dict (missing {sorted(missing)})", sorted(state))
+        self.__init__(state["prior"], state["decay"], state["reduce"])
+        self.total, self.count, self.ema = float(state["total"]), int(state["count"]), dict(state["ema"])
+
+
+def assign_to_ranks(predicted_work: Sequence[float], world_size: int) -> list[list[int]]:
+    """Longest-processing-time-first with a cardinality constraint (DAS inter-GPU balancing).
+
+    Synchronous data parallel needs the same number of prompts per rank, so each rank holds exactly
+    n / world_size; prompts in decreasing predicted work (ties: lower index first) go to the least
+    loaded rank that is not full (ties: lower rank). Longest-first also spreads the longest prompts
+    one per rank, the interleaving that bounds each rank's tail. Each rank's list comes out in
+    decreasing predicted work, so it can start its stragglers first.
+    """
+    n = len(predicted_work)
+    _check(_is_int(world_size) and world_size >= 1, "world_size", "an int >= 1", world_size)
+    _check(n % world_size == 0, "predicted_work", f"a length divisible by world_size={world_size}", n)
+    _check(all(math.isfinite(w) and w >= 0 for w in predicted_work), "predicted_work",
+           "finite values >= 0", predicted_work)
+    cap, ranks, load = n // world_size, [[] for _ in range(world_size)], [0.0] * world_size
+    for i in sorted(range(n), key=lambda i: (-predicted_work[i], i)):
+        r = min((r for r in range(world_size) if len(ranks[r]) < cap), key=lambda r: (load[r], r))
+        ranks[r].append(i)
+        load[r] += predicted_work[i]
+    return ranks
+
+
+def round_robin(n: int, world_size: int) -> list[list[int]]:
+    """Baseline: prompt i goes to rank i % world_size."""
+    _check(_is_int(world_size) and world_size >= 1, "world_size", "an int >= 1", world_size)
+    return [list(range(r, n, world_size)) for r in range(world_size)]
+
+
+def rank_work(predicted_work: Sequence[float], assignment: list[list[int]]) -> list[float]:
+    return [float(sum(predicted_work[i] for i in idx)) for idx in assignment]
+
+
+def imbalance(work_per_rank: Sequence[float]) -> float:
+    """max / mean work per rank: 1.0 is perfect balance; synchronous DP waits for the max."""
+    _check(len(work_per_rank) > 0, "work_per_rank", "a non-empty list", work_per_rank)
+    mean = sum(work_per_rank) / len(work_per_rank)
+    return max(work_per_rank) / mean if mean > 0 else 1.0
+
+
+class LengthClasses:
+    """Length -> class -> speculation budget (draft-length cap; the toggle still decides per step).
+
+    Class i covers lengths in [thresholds[i-1], thresholds[i]) (class 0 from 0, the last unbounded).
+    Defaults (32, 128) / (0, 4, 8) follow the measured task (answers: median 4, p90 53, max 154
+    tokens; DESIGN.md): short answers finish while the batch is full, where a 6-token verify costs
+    2.2-2.8x a decode, so a wrong draft slows every sequence's step and they never set the rollout's
+    wall time -> 0; answers past 32 run as the batch shrinks -> 4; past 128 only stragglers remain,
+    at batch ~1, where a verify costs 1.3-1.8x a decode and long drafts pay -> 8.
+    `from_cost_model` derives budgets from a fitted LatencyModel instead.
+    """
+
+    def __init__(self, thresholds: Sequence[float] = (32, 128), budgets: Sequence[int] = (0, 4, 8)):
+        thresholds, budgets = tuple(thresholds), tuple(budgets)
+        _check(all(t > 0 for t in thresholds) and all(a < b for a, b in zip(thresholds, thresholds[1:])),
+               "thresholds", "strictly increasing lengths > 0", thresholds)
+        _check(len(budgets) == len(thresholds) + 1, "budgets",
+               f"len(thresholds) + 1 = {len(thresholds) + 1} entries", budgets)
+        _check(all(_is_int(b) and b >= 0 for b in budgets), "budgets", "ints >= 0", budgets)
+        self.thresholds, self.budgets = thresholds, budgets
+
+    def class_of(self, length: float) -> int:
+        _check(length >= 0, "length", ">= 0", length)
+        return bisect.bisect_right(self.thresholds, length)
+
+    def budget(self, length: float) -> int:
+        return self.budgets[self.class_of(length)]
+
+    @classmethod
+    def from_cost_model(cls, latency: LatencyModel, thresholds: Sequence[float],
+                        batch_sizes: Sequence[float], ctx_lens: Sequence[float], alpha: float,
+                        draft_time_per_token: float = 0.0, max_k: int = 8,
+                        min_speedup: float = 1.05) -> "LengthClasses":
+        """Per class, the k maximising predicted speedup at that class's typical batch size and
+        context (one entry per class), or 0 where even the best k is below min_speedup."""
+        n = len(tuple(thresholds)) + 1
+        _check(len(batch_sizes) == n and len(ctx_lens) == n, "batch_sizes/ctx_lens",
+               f"{n} entries each (one per class)", (batch_sizes, ctx_lens))
+        budgets = []
+        for B, C in zip(batch_sizes, ctx_lens):
+            k, s = best_k(latency, B, C, alpha, draft_time_per_token, max_k)
+            budgets.append(k if s >= min_speedup else 0)
+        return cls(thresholds, budgets)

@@ -1,0 +1,329 @@
+"""Plots and a one-page Markdown report of where rollout time goes.
+
+    python -m nanospec.report RUN_DIR [--compare OTHER_RUN_DIR]
+
+reads RUN_DIR/metrics.jsonl (one JSON object per GRPO optimizer step, times in seconds) and writes
+RUN_DIR/report_*.png + RUN_DIR/report.md. Why these pictures: in a batched GRPO rollout every rank
+waits for its slowest sequence, so the long tail of response lengths leaves ranks idle (the
+"bubble"); the timeline shows that bubble and how much of it bubble drafting recovered, the quality
+plot checks that speculation did not change learning (exactness => AR and speculative curves agree
+within noise), the speculation plot shows why it did or did not pay (accepted length per target
+forward). Every metric except `step` is optional: a missing one skips its panel with a note.
+Uses matplotlib's object API (Figure + Agg canvas, no pyplot state), imported lazily.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+
+DPI = 80
+STR_KEYS = {"speculative"}          # string or null
+BOOL_KEYS = {"lossy"}               # bool or null
+# everything else: number, list of numbers (per-rank `rank_*` keys must be lists), or null
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _check_value(key: str, v) -> str | None:
+    """Return what is wrong with metric `key` = v, or None if it is acceptable."""
+    if key == "step":
+        return None if isinstance(v, int) and not isinstance(v, bool) else f"expected an integer, got {v!r:.40}"
+    if v is None:
+        return None
+    if key in STR_KEYS:
+        return None if isinstance(v, str) else f"expected a string or null, got {v!r:.40}"
+    if key in BOOL_KEYS:
+        return None if isinstance(v, bool) else f"expected true/false, got {v!r:.40}"
+    if isinstance(v, list):
+        bad = [x for x in v if not _is_num(x)]
+        return f"non-numeric value {bad[0]!r:.40} in list" if bad else None
+    if key.startswith("rank_"):
+        return f"expected a per-rank list of numbers, got {v!r:.40}"
+    return None if _is_num(v) else f"non-numeric value {v!r:.40}"
+
+
+def load_metrics(path: str) -> list[dict]:
+    """Parse and validate a metrics.jsonl; blank lines are ignored. Raises ValueError naming
+    the file and 1-based line number on any problem."""
+    if not os.path.isfile(path):
+        raise ValueError(f"{path}: metrics file not found")
+    recs = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}: line {n}: invalid JSON ({e.msg})") from None
+            if not isinstance(rec, dict):
+                raise ValueError(f"{path}: line {n}: expected a JSON object, got {type(rec).__name__}")
+            if "step" not in rec:
+                raise ValueError(f"{path}: line {n}: missing required key 'step'")
+            for k, v in rec.items():
+                if (err := _check_value(k, v)) is not None:
+                    raise ValueError(f"{path}: line {n}: key {k!r}: {err}")
+            recs.append(rec)
+    if not recs:
+        raise ValueError(f"{path}: empty metrics file (no JSON lines)")
+    return recs
+
+
+def _series(recs, key):
+    pts = [(r["step"], float(r[key])) for r in recs if _is_num(r.get(key))]
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def _mean(xs):
+    xs = [x for x in xs if math.isfinite(x)]
+    return sum(xs) / len(xs) if xs else None
+
+
+def _rank_list(r, key):
+    return r[key] if isinstance(r.get(key), list) else None
+
+
+def _busy(r):
+    return _rank_list(r, "rank_busy_time") or _rank_list(r, "rank_rollout_time") or []
+
+
+def _step_parts(r):
+    """(rollout, train, sync, total) seconds of one step; rollout = slowest rank."""
+    busy = _busy(r)
+    bub = _rank_list(r, "rank_bubble_time") or [0.0] * len(busy)
+    R = r.get("time_rollout")
+    if not _is_num(R):
+        R = max([b + u for b, u in zip(busy, bub)] + list(busy) + [0.0])
+    T, S = (float(r[k]) if _is_num(r.get(k)) else 0.0 for k in ("time_train", "time_weight_sync"))
+    total = r["time_step"] if _is_num(r.get("time_step")) else R + T + S
+    return float(R), T, S, float(max(total, R + T + S))
+
+
+def headline(recs) -> dict:
+    """Headline numbers (None where the metric is missing)."""
+    rew = _series(recs, "reward_mean")[1]
+    bub = sum(sum(_rank_list(r, "rank_bubble_time") or []) for r in recs)
+    drf = sum(sum(_rank_list(r, "rank_bubble_draft_time") or []) for r in recs)
+    rank_time = sum(_step_parts(r)[0] * len(_busy(r)) for r in recs)
+    rec_frac = _mean(_series(recs, "bubble_recovered_frac")[1])
+    if rec_frac is None and bub > 0 and any("rank_bubble_draft_time" in r for r in recs):
+        rec_frac = drf / bub
+    return {
+        "steps": len(recs),
+        "mean reward, first step": rew[0] if rew else None,
+        "mean reward, last step": rew[-1] if rew else None,
+        "bubble share of rank rollout time": bub / rank_time if rank_time > 0 and bub > 0 else None,
+        "bubble fraction recovered": rec_frac,
+        "mean accepted length": _mean(_series(recs, "mean_accepted_len")[1]),
+        "target forwards per token": _mean(_series(recs, "target_forwards_per_token")[1]),
+        "rollout time per step (s)": _mean(_series(recs, "time_rollout")[1]),
+        "step time (s)": _mean(_series(recs, "time_step")[1]),
+        "tokens/s": _mean(_series(recs, "tokens_per_s")[1]),
+    }
+
+
+def _figure(w, h):
+    from matplotlib.figure import Figure
+    return Figure(figsize=(w, h), dpi=DPI)
+
+
+def _save(fig, out):
+    fig.tight_layout()
+    fig.savefig(out, dpi=DPI)   # a bare Figure renders through the Agg canvas for .png
+    return out
+
+
+def plot_timeline(recs, out) -> str | None:
+    """Gantt-style: one row per rank, steps end to end. Returns None if no per-rank times."""
+    if not any(_busy(r) for r in recs):
+        return None
+    cats = {"rollout busy": "tab:blue", "bubble: drafting": "tab:green", "bubble: idle": "lightgray",
+            "train": "tab:orange", "weight sync": "tab:purple"}
+    nr = max(len(_busy(r)) for r in recs)
+    segs = {c: [[] for _ in range(nr)] for c in cats}
+    t0 = 0.0
+    for r in recs:
+        busy, bub, drf = _busy(r), _rank_list(r, "rank_bubble_time"), _rank_list(r, "rank_bubble_draft_time")
+        R, T, S, total = _step_parts(r)
+        for i, b in enumerate(busy):
+            u = bub[i] if bub and i < len(bub) else max(0.0, R - b)
+            d = min(drf[i], u) if drf and i < len(drf) else 0.0
+            for c, seg in (("rollout busy", (t0, b)), ("bubble: drafting", (t0 + b, d)),
+                           ("bubble: idle", (t0 + b + d, u - d)), ("train", (t0 + R, T)),
+                           ("weight sync", (t0 + R + T, S))):
+                if seg[1] > 0:
+                    segs[c][i].append(seg)
+        t0 += total
+    fig = _figure(7, 0.5 * nr + 1.6)
+    ax = fig.subplots()
+    for c, color in cats.items():
+        for i in range(nr):
+            if segs[c][i]:
+                ax.broken_barh(segs[c][i], (i - 0.4, 0.8), facecolors=color,
+                               hatch="//" if c == "bubble: drafting" else None,
+                               label=c if not any(segs[c][:i]) else None)
+    h = headline(recs)
+    frac = h["bubble fraction recovered"]
+    ax.set_title("per-rank timeline" + (f" - bubble recovered {frac:.0%}" if frac is not None else ""), fontsize=9)
+    ax.set_yticks(range(nr), [f"rank {i}" for i in range(nr)])
+    ax.set_xlabel("time (s)")
+    ax.invert_yaxis()
+    ax.legend(fontsize=6, ncol=5, loc="upper center", bbox_to_anchor=(0.5, -0.25))
+    return _save(fig, out)
+
+
+def _line_panels(runs, panels, out, title):
+    """runs: [(label, recs)]; panels: [(ylabel, [(key, legend)])]. Colour = key, linestyle = run.
+    Returns (path or None, notes for panels that had no data)."""
+    has = lambda k: any(_series(recs, k)[0] for _, recs in runs)
+    active = [(yl, [kl for kl in keys if has(kl[0])]) for yl, keys in panels]
+    notes = [f"{yl}: no {'/'.join(f'`{k}`' for k, _ in keys)}" for (yl, keys), (_, a) in zip(panels, active) if not a]
+    active = [p for p in active if p[1]]
+    if not active:
+        return None, notes
+    fig = _figure(6.5, 1.7 * len(active) + 0.6)
+    axes = fig.subplots(len(active), 1, sharex=True, squeeze=False)[:, 0]
+    for ax, (yl, keys) in zip(axes, active):
+        for ci, (key, leg) in enumerate(keys):
+            for ri, (label, recs) in enumerate(runs):
+                xs, ys = _series(recs, key)
+                if not xs:
+                    continue
+                name = f"{label}: {leg}" if len(runs) > 1 else leg
+                ax.plot(xs, ys, color=f"C{ci}", ls=("-", "--")[ri % 2], marker=".", ms=3, lw=1, label=name)
+                if key == "reward_mean":
+                    sx, sd = _series(recs, "reward_std")
+                    if sx == xs:
+                        ax.fill_between(xs, [y - s for y, s in zip(ys, sd)], [y + s for y, s in zip(ys, sd)],
+                                        color=f"C{ci}", alpha=0.12)
+        ax.set_ylabel(yl, fontsize=8)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6)
+    axes[0].set_title(title, fontsize=9)
+    axes[-1].set_xlabel("step")
+    return _save(fig, out), notes
+
+
+def plot_step_time(runs, out) -> str | None:
+    """Stacked bars per step: rollout / train / sync / other; a compare run is hatched beside it."""
+    parts = ("time_rollout", "time_train", "time_weight_sync")
+    if not any(_is_num(r.get(k)) for _, recs in runs for r in recs for k in parts):
+        return None
+    fig = _figure(6.5, 2.8)
+    ax = fig.subplots()
+    w = 0.8 / len(runs)
+    for ri, (label, recs) in enumerate(runs):
+        x = [r["step"] + (ri - (len(runs) - 1) / 2) * w for r in recs]
+        vals = [[float(r[k]) if _is_num(r.get(k)) else 0.0 for r in recs] for k in parts]
+        tot = [r["time_step"] if _is_num(r.get("time_step")) else 0.0 for r in recs]
+        vals.append([max(0.0, t - sum(v)) for t, v in zip(tot, zip(*vals))])
+        bottom = [0.0] * len(recs)
+        for ci, (name, v) in enumerate(zip(("rollout", "train", "weight sync", "other"), vals)):
+            lab = f"{label}: {name}" if len(runs) > 1 else name
+            ax.bar(x, v, w, bottom=bottom, color=f"C{ci}", hatch="//" if ri else None, label=lab)
+            bottom = [b + y for b, y in zip(bottom, v)]
+    ax.set(xlabel="step", ylabel="seconds")
+    ax.set_title("step-time breakdown", fontsize=9)
+    ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    return _save(fig, out)
+
+
+def _bench_labels(results) -> list[str]:
+    return [r["name"] + (" (lossy)" if r.get("lossy") else "") for r in results]
+
+
+def plot_bench(results: list[dict], out_png: str, title: str) -> str:
+    """Bar chart of `speedup` per row (`name` label), line at 1.0, lossy rows hatched + labelled."""
+    if not isinstance(results, list) or not results:
+        raise ValueError("plot_bench: results must be a non-empty list of dicts with 'name' and 'speedup'")
+    for i, r in enumerate(results):
+        if not isinstance(r, dict) or not isinstance(r.get("name"), str):
+            raise ValueError(f"plot_bench: results[{i}]['name'] must be a string")
+        if not _is_num(r.get("speedup")):
+            raise ValueError(f"plot_bench: results[{i}]['speedup'] must be a number, got {r.get('speedup')!r}")
+    fig = _figure(max(4.0, 0.7 * len(results) + 1.5), 3.2)
+    ax = fig.subplots()
+    for i, r in enumerate(results):
+        lossy = bool(r.get("lossy"))
+        ax.bar(i, r["speedup"], color="tab:orange" if lossy else "tab:blue", edgecolor="black",
+               hatch="//" if lossy else None)
+        ax.text(i, r["speedup"], f"{r['speedup']:.2f}x", ha="center", va="bottom", fontsize=7)
+    ax.axhline(1.0, color="black", ls="--", lw=1)
+    ax.set_xticks(range(len(results)), _bench_labels(results), rotation=30, ha="right", fontsize=7)
+    ax.set_ylabel("speedup vs AR")
+    ax.set_title(title, fontsize=9)
+    return _save(fig, out_png)
+
+
+def _label(run_dir, recs):
+    spec = next((r["speculative"] for r in reversed(recs) if r.get("speculative")), None)
+    lossy = " lossy" if any(r.get("lossy") for r in recs) else ""
+    return f"{os.path.basename(os.path.normpath(run_dir))} [{spec or 'AR'}{lossy}]"
+
+
+def write_report(run_dir: str, compare_dir: str | None = None) -> str:
+    """Write RUN_DIR/report_*.png and RUN_DIR/report.md; returns the report.md path."""
+    runs = [(_label(run_dir, r), r) for r in [load_metrics(os.path.join(run_dir, "metrics.jsonl"))]]
+    if compare_dir is not None:
+        crecs = load_metrics(os.path.join(compare_dir, "metrics.jsonl"))
+        runs.append((_label(compare_dir, crecs), crecs))
+    recs = runs[0][1]
+    dr = sorted({k.split("/")[1] for _, rs in runs for r in rs for k in r if k.count("/") == 2 and k[:8] == "drafter/"})
+    per = lambda m: [(f"drafter/{d}/{m}", d) for d in dr]
+    p = lambda name: os.path.join(run_dir, f"report_{name}.png")
+    lines = [f"# Rollout report: {runs[0][0]}", ""]
+    if len(runs) > 1:
+        lines += [f"Compared with: {runs[1][0]} (dashed lines / hatched bars).", ""]
+    heads = [headline(r) for _, r in runs]
+    lines += ["| metric | " + " | ".join(l for l, _ in runs) + " |", "|---" * (len(runs) + 1) + "|"]
+    lines += [f"| {k} | " + " | ".join("n/a" if h[k] is None else f"{h[k]:.4g}" for h in heads) + " |" for k in heads[0]]
+
+    def section(title, path, notes=(), why=""):
+        lines.extend(["", f"## {title}", ""])
+        lines.append(f"_Skipped: {why}._" if path is None else f"![{title}]({os.path.basename(path)})")
+        lines.extend(f"- _no data for {n}; panel skipped._" for n in notes)
+
+    section("Per-rank timeline", plot_timeline(recs, p("timeline")),
+            why="no `rank_busy_time` / `rank_rollout_time` in metrics")
+    lines += ["", "Rows are ranks; grey = idle bubble waiting for the slowest rank, hatched green = bubble spent "
+                 "pre-generating drafts." + (" (main run only)" if len(runs) > 1 else "")]
+    quality = [("reward", [("reward_mean", "mean reward (+-std)")]),
+               ("accuracy", [("accuracy", "accuracy"), ("frac_reward_zero_std", "frac zero-std groups")]),
+               ("response length", [("response_len_mean", "mean"), ("response_len_p50", "p50"),
+                                    ("response_len_max", "max")])]
+    spec = [("accepted length", [("mean_accepted_len", "all")] + per("mean_accepted_len")),
+            ("target fwd / token", [("target_forwards_per_token", "all")]),
+            ("acceptance rate", per("acceptance_rate")),
+            ("draft length", [("draft_len_mean", "ladder")] + per("draft_len")),
+            ("spec on frac", [("spec_on_frac", "spec on"), ("bubble_recovered_frac", "bubble recovered")])]
+    train = [("loss", [("loss", "loss")]), ("grad norm", [("grad_norm", "grad norm")]),
+             ("kl / clip", [("kl", "kl"), ("clip_frac", "clip frac")]),
+             ("logprob mismatch", [("mismatch/mean_abs", "mean |d|"), ("mismatch/max_abs", "max |d|")])]
+    for title, panels, name in (("Reward, accuracy, response length", quality, "quality"),
+                                ("Speculation", spec, "speculation"), ("Training health", train, "training")):
+        path, notes = _line_panels(runs, panels, p(name), title)
+        section(title, path, notes, why="none of its metrics present")
+    section("Step-time breakdown", plot_step_time(runs, p("step_time")),
+            why="no `time_rollout` / `time_train` / `time_weight_sync`")
+    out = os.path.join(run_dir, "report.md")
+    with open(out, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m nanospec.report", description=__doc__.splitlines()[0])
+    ap.add_argument("run_dir", help="directory holding metrics.jsonl")
+    ap.add_argument("--compare", default=None, help="second run dir drawn on the same axes")
+    a = ap.parse_args(argv)
+    print(write_report(a.run_dir, a.compare))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""From logits to a token: temperature, top-k, top-p, and the logprob the trainer recomputes.
+
+Two distributions exist per position, and they are deliberately different:
+* the *sampling* distribution p = softmax(filter_top_k_top_p(logits / T)); this is what plain
+  autoregressive decoding samples from, and what speculative verification must reproduce exactly;
+* the *reported* logprob = log_softmax(logits / T)[token] over the full vocabulary, before top-k /
+  top-p (T = 0, greedy, reports log_softmax(logits)). This is what the GRPO trainer recomputes from a
+  plain forward, so rollout and trainer agree without knowing the filters (DESIGN.md contract).
+
+Randomness comes in as uniforms `u` drawn by the engine from each request's generator, so sampling is
+a pure batched tensor function (inverse CDF), graph-capturable and reproducible per request seed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .sequence import SamplingParams
+
+
+@dataclass
+class SamplingTensors:
+    temperature: torch.Tensor   # [B] float, 0 = greedy
+    top_k: torch.Tensor         # [B] long, vocab size when off
+    top_p: torch.Tensor         # [B] float
+    needs_filter: bool          # any row with top-k/top-p active (skips the sort otherwise)
+
+    @classmethod
+    def from_params(cls, params: list[SamplingParams], vocab_size: int, device) -> "SamplingTensors":
+        return cls(
+            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
+            top_k=torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p in params], device=device),
+            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+            needs_filter=any(p.top_k > 0 or p.top_p < 1.0 for p in params))
+
+    @property
+    def greedy(self) -> torch.Tensor:
+        return self.temperature == 0
+
+
+def scaled(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """logits [B, ..., V] / T with T broadcast from [B]; greedy rows (T=0) use T=1."""
+    t = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
+    return logits / t.view(-1, *([1] * (logits.dim() - 1)))
+
+
+def probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """The sampling distribution p. logits: [B, Q, V] -> [B, Q, V] (float32)."""
+    x = scaled(logits.float(), st.temperature)
+    if st.needs_filter:
+        sorted_x, order = x.sort(dim=-1, descending=True, stable=True)
+        rank = torch.arange(x.shape[-1], device=x.device)
+        drop = rank >= st.top_k.view(-1, 1, 1)                           # top-k
+        p_sorted = sorted_x.softmax(-1)
+        drop |= (p_sorted.cumsum(-1) - p_sorted) >= st.top_p.view(-1, 1, 1)  # top-p: keep the head whose mass reaches p
+        sorted_x = sorted_x.masked_fill(drop, float("-inf"))
+        x = torch.empty_like(x).scatter_(-1, order, sorted_x)
+    return x.softmax(-1)
+
+
+def sample(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling. p: [B, V] (need not be normalised), u: [B] in (0, 1] -> tokens [B]."""
+    cdf = p.cumsum(-1)
+    idx = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1)).squeeze(-1)
+    return idx.clamp_(max=p.shape[-1] - 1)
+
+
+def token_logprobs(logits: torch.Tensor, temperature: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log_softmax(logits / T)[tokens] over the full vocabulary. logits [B, Q, V], tokens [B, Q]."""
+    x = scaled(logits.float(), temperature)
+    return x.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - x.logsumexp(-1)

@@ -1,0 +1,175 @@
+import numpy as np
+import pytest
+
+from nanospec.policies import (DraftLengthLadder, LatencyModel, LengthClasses, LengthPredictor,
+                               SpeculationToggle, assign_to_ranks, best_k, expected_accepted,
+                               imbalance, rank_work, round_robin)
+
+TRUE = np.array([1e-3, 2e-5, 1e-5, 3e-8, 5e-9])  # const, B, B*Q, B*C, B*Q*C
+
+
+def _grid(noise=0.0, seed=0):
+    rng = np.random.default_rng(seed)
+    return [(B, C, Q, float(LatencyModel.features(B, C, Q) @ TRUE) * (1 + noise * rng.standard_normal()))
+            for B in (1, 4, 16, 64) for C in (16, 128, 512) for Q in (1, 4, 8)]
+
+
+def test_latency_fit_recovers_coefficients():
+    m = LatencyModel().fit(_grid())
+    np.testing.assert_allclose(m.coef, TRUE, rtol=1e-6)
+    assert m.predict(32, 200, 6) == pytest.approx(float(LatencyModel.features(32, 200, 6) @ TRUE))
+    noisy = LatencyModel().fit(_grid(noise=0.02))
+    for B, C, Q in [(1, 50, 1), (8, 300, 6), (64, 512, 8)]:
+        truth = float(LatencyModel.features(B, C, Q) @ TRUE)
+        assert abs(noisy.predict(B, C, Q) / truth - 1) < 0.05
+
+
+def test_latency_nonnegative_monotone_and_clamped():
+    # data where verify looks *cheaper* at large Q (noise / nonsense): weights stay >= 0
+    samples = [(B, 100, Q, 1e-3 * B / Q) for B in (1, 8, 32) for Q in (1, 4, 8)]
+    m = LatencyModel().fit(samples)
+    assert np.all(m.coef >= 0)
+    assert m.predict(8, 100, 8) >= m.predict(8, 100, 1) > 0
+    assert LatencyModel(coef=[0, 0, 0, 0, 0], min_seconds=1e-6).predict(1, 0, 1) == 1e-6
+
+
+def test_latency_observe_calibrate_and_errors():
+    m = LatencyModel(refit_every=8).fit(_grid())
+    before = m.predict(16, 128, 1)
+    for _ in range(64):                       # the machine got 2x slower for plain decodes at B=16
+        m.observe(16, 128, 1, 2 * float(LatencyModel.features(16, 128, 1) @ TRUE))
+    assert m.predict(16, 128, 1) > 1.5 * before
+    calls = []
+    def time_fn(B, C, Q):
+        calls.append((B, C, Q))
+        return float(LatencyModel.features(B, C, Q) @ TRUE) * (3.0 if len(calls) % 3 == 1 else 1.0)
+    c = LatencyModel()
+    samples = c.calibrate(time_fn, [1, 8, 64], [32, 256], [1, 5], repeats=3)
+    assert len(calls) == 36 and len(samples) == 12
+    np.testing.assert_allclose(c.coef, TRUE, rtol=1e-5)  # median drops the slow warm-up call
+    with pytest.raises(RuntimeError, match="not fitted"):
+        LatencyModel().predict(1, 1, 1)
+    with pytest.raises(ValueError, match="seconds"):
+        LatencyModel().fit([(1, 10, 1, -1.0)])
+    with pytest.raises(ValueError, match="samples"):
+        LatencyModel().fit([])
+
+
+def test_expected_accepted():
+    assert expected_accepted(0.0, 5) == 0.0
+    assert expected_accepted(1.0, 5) == 5.0
+    assert expected_accepted(0.5, 3) == pytest.approx(0.875)
+    a, k = 0.8, 6
+    assert expected_accepted(a, k) == pytest.approx((1 - a ** (k + 1)) / (1 - a) - 1)
+    with pytest.raises(ValueError, match="alpha"):
+        expected_accepted(1.5, 3)
+
+
+def test_toggle_threshold_and_batch_dependence():
+    lat = LatencyModel(coef=[1, 0, 1, 0, 0])  # t = 1 + B*Q: B=1 -> t_ar=2, t_verify(k=3)=5
+    tog = SpeculationToggle(lat, min_speedup=1.25)
+    on, s = tog.decide(1, 10, 3, 2.125, 0.0)  # (2.125 + 1) * 2 / 5 == 1.25 exactly
+    assert on and s == 1.25
+    on, s = tog.decide(1, 10, 3, 2.12, 0.0)
+    assert not on and s < 1.25
+    on, s = tog.decide(1, 10, 3, 3.0, 0.0)    # pays at batch 1 ...
+    assert on and s == pytest.approx(1.6)
+    on, s = tog.decide(64, 10, 3, 3.0, 0.0)   # ... but not at batch 64: verify ~4x a decode
+    assert not on and s == pytest.approx(4 * 65 / 257)
+    on, _ = tog.decide(1, 10, 3, 3.0, 2.0)    # a slow drafter turns it off
+    assert not on
+    st = tog.stats()
+    assert st["toggle_steps"] == 5 and st["toggle_on_steps"] == 2 and st["toggle_on_fraction"] == 0.4
+    with pytest.raises(ValueError, match="expected_accepted_tokens"):
+        tog.decide(1, 10, 3, 4.0, 0.0)
+    assert best_k(lat, 1, 10, 0.9) == (3, pytest.approx(3.439 * 2 / 5))
+
+
+def test_ladder_hysteresis_and_bounds():
+    lad = DraftLengthLadder(window=10)
+    assert lad.current("ngram") == 3 and lad.acceptance_rate("ngram") is None
+    high = lambda: [lad.update("ngram", 5, 5) for _ in range(2)]   # one window, rate 1.0
+    low = lambda: lad.update("ngram", 10, 5)                       # 5 / (5 + 1) = 0.83
+    mid = lambda: lad.update("ngram", 10, 9)                       # 9 / 10 = 0.9
+    high()
+    assert lad.current("ngram") == 3 and lad.acceptance_rate("ngram") == 1.0
+    high()
+    assert lad.current("ngram") == 5
+    high(); mid(); high()                      # streak broken by a middle window
+    assert lad.current("ngram") == 5 and lad.acceptance_rate("ngram") == 1.0
+    high()
+    assert lad.current("ngram") == 7
+    low(); mid(); low()
+    assert lad.current("ngram") == 7
+    low()
+    assert lad.current("ngram") == 5 and lad.acceptance_rate("ngram") == pytest.approx(5 / 6)
+    for _ in range(20):
+        high()
+    assert lad.current("ngram") == 11
+    for _ in range(20):
+        low()
+    assert lad.current("ngram") == 3
+    assert lad.current("suffix") == 3          # per drafter
+    lad.update("suffix", 40, 30, rejected=2)   # summed counts: 30 / 32
+    assert lad.acceptance_rate("suffix") == pytest.approx(30 / 32)
+    assert DraftLengthLadder(start=2).current("x") == 7
+    for bad in [dict(ladder=(5, 3)), dict(up=0.8, down=0.9), dict(window=0), dict(start=5)]:
+        with pytest.raises(ValueError):
+            DraftLengthLadder(**bad)
+    with pytest.raises(ValueError, match="accepted"):
+        lad.update("x", 3, 4)
+
+
+def test_length_predictor_prior_history_and_state():
+    p = LengthPredictor(prior=50.0, decay=0.5)
+    assert p.predict("a") == 50.0
+    p.observe("a", [10, 20, 5])                # group max
+    assert p.predict("a") == 20.0 and p.predict("new") == 20.0
+    p.observe("a", [40])
+    p.observe("b", [100])
+    assert p.predict("a") == 30.0              # EMA 0.5 * 20 + 0.5 * 40
+    assert p.predict("new") == pytest.approx((20 + 40 + 100) / 3)
+    q = LengthPredictor()
+    q.load_state_dict(p.state_dict())
+    assert q.predict("a") == 30.0 and q.predict("zz") == p.predict("zz")
+    assert LengthPredictor(reduce="mean").predict("x") == 64.0
+    m = LengthPredictor(reduce="mean"); m.observe(1, [2, 4])
+    assert m.predict(1) == 3.0
+    with pytest.raises(ValueError, match="reduce"):
+        LengthPredictor(reduce="median")
+    with pytest.raises(ValueError, match="state"):
+        q.load_state_dict({"prior": 1.0})
+
+
+def test_lpt_balances_long_tail_better_than_round_robin():
+    rng = np.random.default_rng(0)
+    work = list(np.minimum(rng.pareto(1.2, 64) * 8 + 1, 400))   # heavy-tailed lengths
+    lpt, rr = assign_to_ranks(work, 4), round_robin(64, 4)
+    assert sorted(i for r in lpt for i in r) == list(range(64))
+    assert all(len(r) == 16 for r in lpt)
+    assert imbalance(rank_work(work, lpt)) < imbalance(rank_work(work, rr))
+    assert assign_to_ranks(work, 4) == lpt                       # deterministic
+    assert assign_to_ranks([1.0] * 4, 2) == [[0, 2], [1, 3]]     # ties: lower index, lower rank
+    # cardinality: one huge prompt must not leave its rank with fewer prompts
+    assert [len(r) for r in assign_to_ranks([100, 1, 1, 1, 1, 1], 2)] == [3, 3]
+    assert imbalance([2.0, 2.0]) == 1.0 and imbalance([3.0, 1.0]) == 1.5
+    with pytest.raises(ValueError, match="divisible"):
+        assign_to_ranks([1.0] * 5, 2)
+
+
+def test_length_classes_mapping_validation_and_cost_model():
+    lc = LengthClasses()
+    assert [lc.class_of(x) for x in (0, 31, 32, 127, 128, 1000)] == [0, 0, 1, 1, 2, 2]
+    assert [lc.budget(x) for x in (5, 64, 500)] == [0, 4, 8]
+    with pytest.raises(ValueError, match="budgets"):
+        LengthClasses([32, 128], [0, 4])
+    with pytest.raises(ValueError, match="thresholds"):
+        LengthClasses([128, 32], [0, 4, 8])
+    with pytest.raises(ValueError, match="budgets"):
+        LengthClasses([32], [0, -1])
+    # t = 1 + B*Q: at batch 64 no k pays; at batch 4 only k=1 (1.9*5/9 = 1.056); at batch 1 k=3 best
+    lat = LatencyModel(coef=[1, 0, 1, 0, 0])
+    derived = LengthClasses.from_cost_model(lat, [32, 128], [64, 4, 1], [16, 80, 200], alpha=0.9)
+    assert derived.budgets == (0, 1, 3)
+    with pytest.raises(ValueError, match="batch_sizes"):
+        LengthClasses.from_cost_model(lat, [32, 128], [64, 1], [16, 200], alpha=0.9)
