@@ -47,10 +47,10 @@ class LLM:
                  max_num_seqs: int = 64, block_size: int = 16, num_kv_blocks: int | None = None,
                  max_model_len: int | None = None, max_num_batched_tokens: int | None = None,
                  speculative: dict | list | None = None, prefix_caching: bool = True, seed: int = 0,
-                 policy=None):
+                 policy=None, use_cuda_graphs: bool = False, gpu_memory_utilization: float = 0.5):
+        if str(device).startswith("cuda") and not torch.cuda.is_available():
+            raise RuntimeError(f"device={device!r} requested but torch.cuda.is_available() is False")
         if isinstance(model, (str, bytes)) or hasattr(model, "__fspath__"):
-            if device == "cuda" and not torch.cuda.is_available():
-                raise RuntimeError("device='cuda' requested but torch.cuda.is_available() is False")
             if tokenizer is None:
                 from transformers import AutoTokenizer
                 tokenizer = AutoTokenizer.from_pretrained(str(model))
@@ -63,11 +63,18 @@ class LLM:
         if block_size < 1 or block_size & (block_size - 1):
             raise ValueError(f"block_size must be a power of 2, got {block_size}")
         blocks_per_seq = -(-self.max_model_len // block_size)
+        if num_kv_blocks is None and self.model.model.embed_tokens.weight.is_cuda:
+            from .cuda_graphs import kv_blocks_for_memory
+            num_kv_blocks = kv_blocks_for_memory(self.model, block_size, gpu_memory_utilization)
         num_kv_blocks = num_kv_blocks or max_num_seqs * blocks_per_seq
         self.blocks = BlockManager(num_kv_blocks, block_size, prefix_caching)
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens or
                                    max(self.max_model_len, 4096))
-        self.runner = Runner(self.model, num_kv_blocks, block_size)
+        if use_cuda_graphs:   # GPU: decode/verify steps replay captured graphs (cuda_graphs.py)
+            from .cuda_graphs import GraphRunner
+            self.runner = GraphRunner(self.model, num_kv_blocks, block_size, max_num_seqs, self.max_model_len)
+        else:
+            self.runner = Runner(self.model, num_kv_blocks, block_size)
         self.device = self.runner.device
         eos = a.eos_token_id if tokenizer is None else tokenizer.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
@@ -309,6 +316,25 @@ class LLM:
             params[name].copy_(t)
         if self.drafter is not None:
             self.drafter.refresh(self.model)
+
+    @torch.inference_mode()
+    def time_forward(self, batch_size: int, ctx_len: int, num_query: int) -> float:
+        """Seconds of one target forward at (B, C, Q) on scratch blocks: the latency model's profile."""
+        seqs = [Sequence([0] * (ctx_len + num_query), SamplingParams()) for _ in range(batch_size)]
+        try:
+            if not all(self.blocks.ensure(s, ctx_len + num_query) for s in seqs):
+                raise RuntimeError(f"time_forward: not enough free KV blocks for B={batch_size}, C={ctx_len}")
+            tokens = [[1] * num_query for _ in seqs]
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            self.model.logits(self.runner.forward(seqs, tokens, [ctx_len] * batch_size))
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+            return time.perf_counter() - t0
+        finally:
+            for s in seqs:
+                self.blocks.free(s)
 
     @property
     def num_free_blocks(self) -> int:

@@ -353,3 +353,100 @@ class LengthClasses:
             k, s = best_k(latency, B, C, alpha, draft_time_per_token, max_k)
             budgets.append(k if s >= min_speedup else 0)
         return cls(thresholds, budgets)
+
+
+class SpeculationPolicy:
+    """The engine's one hook into the policies above (`LLM(..., policy=SpeculationPolicy(...))`).
+
+    Per decode step: `budgets` gives each sequence its draft-length cap = min(ladder rung of the
+    drafter, length-class budget of max(predicted, current) response length), or 0 for all when the
+    toggle predicts speculation would not pay this step. After the drafter proposes, `clip` cuts each
+    row to the rung of the drafter that actually proposed it. The engine reports back draft time,
+    forward time and acceptance, which keep the latency model, the toggle and the ladder current.
+    The toggle probes every `probe_every` steps while off, so acceptance is still measured.
+    """
+
+    def __init__(self, *, ladder: DraftLengthLadder | None = None, classes: LengthClasses | None = None,
+                 toggle: SpeculationToggle | None = None, default_alpha: float = 0.8, probe_every: int = 16):
+        self.ladder, self.classes, self.toggle = ladder, classes, toggle
+        self.default_alpha, self.probe_every = default_alpha, probe_every
+        self.draft_time = None      # EMA seconds of one propose() call
+        self._acc = [0, 0]          # pooled accepted, rejections (for alpha when the ladder is off)
+        self._steps = self._on_steps = 0
+        self.last_k: list[int] = []
+
+    def alpha(self) -> float:
+        rates = [self.ladder.acceptance_rate(n) for n in self.ladder._s] if self.ladder else []
+        rates = [r for r in rates if r is not None]
+        if rates:
+            return max(rates)
+        a, r = self._acc
+        return a / (a + r) if a + r else self.default_alpha
+
+    def budgets(self, seqs, default_k: int) -> list[int]:
+        rung = max((self.ladder.current(n) for n in self.ladder._s), default=self.ladder.current("")) \
+            if self.ladder else default_k
+        ks = [rung] * len(seqs)
+        if self.classes is not None:
+            ks = [min(k, self.classes.budget(max(getattr(s, "predicted_len", 0) or 0, s.num_completion_tokens)))
+                  for k, s in zip(ks, seqs)]
+        self._steps += 1
+        if self.toggle is not None and any(ks):
+            k = max(ks)
+            ctx = sum(len(s) for s in seqs) / len(seqs)
+            on, _ = self.toggle.decide(len(seqs), ctx, k, expected_accepted(self.alpha(), k), self.draft_time or 0.0)
+            if not on and self._steps % self.probe_every:
+                ks = [0] * len(seqs)
+        self._on_steps += any(ks)
+        self.last_k = ks
+        return ks
+
+    def clip(self, proposal, budgets):
+        if self.ladder is not None:
+            proposal.tokens = [t[:min(b, self.ladder.current(src))]
+                               for t, b, src in zip(proposal.tokens, budgets, proposal.sources)]
+        return proposal
+
+    def observe_draft_time(self, seconds: float) -> None:
+        self.draft_time = seconds if self.draft_time is None else 0.8 * self.draft_time + 0.2 * seconds
+
+    def observe_forward(self, batch_size: int, seqs, tokens, seconds: float) -> None:
+        if self.toggle is not None:
+            ctx = sum(len(s) for s in seqs) / len(seqs)
+            self.toggle.latency.observe(batch_size, ctx, max(len(t) for t in tokens), seconds)
+
+    def observe_acceptance(self, source: str, proposed: int, accepted: int) -> None:
+        self._acc[0] += accepted
+        self._acc[1] += int(accepted < proposed)
+        if self.ladder is not None:
+            self.ladder.update(source, proposed, accepted)
+
+    def stats(self) -> dict:
+        out = {"spec_on_frac": self._on_steps / max(self._steps, 1)}
+        if self.ladder is not None:
+            out.update({f"drafter/{n}/draft_len": self.ladder.current(n) for n in self.ladder._s})
+            out["draft_len_mean"] = float(np.mean([self.ladder.current(n) for n in self.ladder._s])) \
+                if self.ladder._s else float(self.ladder.current(""))
+        return out
+
+    def reset_stats(self) -> None:
+        self._steps = self._on_steps = 0
+        if self.toggle is not None:
+            self.toggle.reset_stats()
+
+
+def build_policy(cfg, llm) -> SpeculationPolicy | None:
+    """From the `policies` config section (config.py) to an engine policy, calibrating the toggle's
+    latency model with a short profile of this engine on this machine (EfficientRollout)."""
+    if not (cfg.toggle or cfg.adaptive_draft_length or cfg.length_classes):
+        return None
+    ladder = DraftLengthLadder(cfg.draft_ladder, cfg.ladder_up, cfg.ladder_down) if cfg.adaptive_draft_length else None
+    classes = LengthClasses(cfg.length_classes, cfg.length_class_budgets) if cfg.length_classes else None
+    toggle = None
+    if cfg.toggle:
+        latency = LatencyModel()
+        ctx = min(64, llm.max_model_len // 2)
+        latency.calibrate(llm.time_forward, batch_sizes=[b for b in (1, 8, 32) if b <= llm.scheduler.max_num_seqs], ctx_lens=[ctx // 2, ctx],
+                          query_lens=[1, 4, 8], repeats=3)
+        toggle = SpeculationToggle(latency, cfg.toggle_min_speedup)
+    return SpeculationPolicy(ladder=ladder, classes=classes, toggle=toggle)

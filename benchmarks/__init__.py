@@ -1,0 +1,1 @@
+"""Benchmark suites for bench.py; each module exposes run(args) -> list[dict]."""

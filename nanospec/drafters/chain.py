@@ -1,0 +1,148 @@
+"""Several drafting methods tried in order per sequence, and the factory from the speculative config.
+
+Why: history drafters are free but often have nothing to say (a new prompt, a diverged sample),
+while a model drafter always guesses but costs a forward. `ChainDrafter([prior, suffix, self])`
+asks each member only about the sequences that earlier members left without a draft.
+
+Mixing point-mass and sampled drafts in one verify: if any member returns q [b, k, V], the chain's
+q [B, k_max, V] holds that member's rows as is and one-hot rows (q = 1 on the drafted token) for
+rows drafted deterministically, which is exactly the point-mass case of the same acceptance rule.
+Entries past a row's draft length are 0 and ignored by verify. `lenient_q` is merged the same way
+with 1.0 (the exact rule) where a member gave none.
+"""
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from ..sequence import Sequence
+from .base import Drafter, Proposal
+from .ngram import NgramDrafter, check_budget
+from .prior import PriorRolloutDrafter
+from .suffix import SuffixDrafter
+
+
+class ChainDrafter(Drafter):
+    name = "chain"
+
+    def __init__(self, drafters: list[Drafter]):
+        if not drafters:
+            raise ValueError("ChainDrafter: drafters must be a non-empty list")
+        self.drafters = list(drafters)
+        self.stochastic = any(d.stochastic for d in self.drafters)
+        self.needs_kv = any(d.needs_kv for d in self.drafters)
+        self.lossy = any(d.lossy for d in self.drafters)
+
+    def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> Proposal:
+        check_budget(seqs, num_tokens)
+        B = len(seqs)
+        tokens: list[list[int]] = [[] for _ in range(B)]
+        sources, owner, props = [""] * B, [None] * B, []   # owner[i] = (member proposal, its row)
+        todo = [i for i in range(B) if num_tokens[i] > 0]
+        for d in self.drafters:
+            if not todo:
+                break
+            p = d.propose([seqs[i] for i in todo], [num_tokens[i] for i in todo])
+            props.append(p)
+            rest = []
+            for r, i in enumerate(todo):
+                if len(p.tokens[r]) > num_tokens[i]:
+                    raise ValueError(f"ChainDrafter: member {d.name!r} drafted {len(p.tokens[r])} tokens, "
+                                     f"budget {num_tokens[i]}")
+                if p.tokens[r]:
+                    tokens[i], sources[i], owner[i] = list(p.tokens[r]), p.sources[r] or d.name, (p, r)
+                else:
+                    rest.append(i)
+            todo = rest
+        k_max = max((len(t) for t in tokens), default=0)
+        q = lenient_q = None
+        q_ref = next((p.q for p in props if p.q is not None), None)
+        if q_ref is not None:
+            q = q_ref.new_zeros(B, k_max, q_ref.shape[-1])                 # [B, k_max, V]
+            for i, o in enumerate(owner):
+                if o is None:
+                    continue
+                (p, r), n = o, len(tokens[i])
+                if p.q is not None:
+                    q[i, :n] = p.q[r, :n]
+                else:
+                    if max(tokens[i]) >= q.shape[-1]:
+                        raise ValueError(f"ChainDrafter: draft token {max(tokens[i])} >= vocab size {q.shape[-1]}")
+                    q[i, torch.arange(n), torch.tensor(tokens[i])] = 1.0
+        if any(p.lenient_q is not None for p in props):
+            lenient_q = torch.ones(B, k_max)                                # [B, k_max]
+            for i, o in enumerate(owner):
+                if o is not None and o[0].lenient_q is not None:
+                    n = len(tokens[i])
+                    lenient_q[i, :n] = o[0].lenient_q[o[1], :n].to(lenient_q)
+        return Proposal(tokens=tokens, q=q, sources=sources, lenient_q=lenient_q)
+
+    def prefill(self, seqs: list[Sequence], *args, **kwargs) -> None:
+        for d in self.drafters:
+            if d.needs_kv:
+                d.prefill(seqs, *args, **kwargs)
+
+    def observe(self, seq: Sequence) -> None:
+        for d in self.drafters:
+            d.observe(seq)
+
+    def free(self, seq: Sequence) -> None:
+        for d in self.drafters:
+            d.free(seq)
+
+    def refresh(self, model: torch.nn.Module) -> None:
+        for d in self.drafters:
+            d.refresh(model)
+
+    def next_step(self) -> None:
+        for d in self.drafters:
+            if hasattr(d, "next_step"):
+                d.next_step()
+
+
+def find_drafter(drafter: Drafter | None, name: str) -> Drafter | None:
+    """The drafter called `name`, itself or a chain member (e.g. the "prior" one, to add() bubble drafts)."""
+    if drafter is None:
+        return None
+    for d in getattr(drafter, "drafters", [drafter]):
+        if d.name == name:
+            return d
+    return None
+
+
+_METHODS = {"ngram": NgramDrafter, "suffix": SuffixDrafter, "prior": PriorRolloutDrafter}
+_MODEL_METHODS = ("self", "draft_model")
+ENGINE_KEYS = {"method", "num_draft_tokens"}   # read by the engine, not passed to the drafter
+
+
+def make_drafter(spec, **ctx) -> Drafter | None:
+    """speculative config -> Drafter. spec: None (plain AR), {"method": M, "num_draft_tokens": k, **opts}
+    or a list of such dicts (tried in order per sequence). Model methods go to ctx["model_drafter_factory"]."""
+    if spec is None:
+        return None
+    if isinstance(spec, (list, tuple)):
+        if not spec:
+            raise ValueError("speculative: expected a method dict or a non-empty list of them, got []")
+        members = [make_drafter(s, **ctx) for s in spec]
+        return members[0] if len(members) == 1 else ChainDrafter(members)
+    if not isinstance(spec, dict) or "method" not in spec:
+        raise ValueError(f"speculative: expected a dict with a 'method' key, got {spec!r}")
+    method, k = spec["method"], spec.get("num_draft_tokens", 1)
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"speculative[{method}]: num_draft_tokens must be an int >= 1, got {k!r}")
+    if method in _MODEL_METHODS:
+        factory = ctx.get("model_drafter_factory")
+        if factory is None:
+            raise ValueError(f"speculative method {method!r} needs ctx['model_drafter_factory'] (the engine's)")
+        return factory(spec)
+    if method not in _METHODS:
+        raise ValueError(f"speculative: unknown method {method!r}; expected one of "
+                         f"{sorted(_METHODS) + list(_MODEL_METHODS)}")
+    cls = _METHODS[method]
+    opts = {key: v for key, v in spec.items() if key not in ENGINE_KEYS}
+    allowed = set(inspect.signature(cls).parameters)
+    if set(opts) - allowed:
+        raise ValueError(f"speculative[{method}]: unknown option(s) {sorted(set(opts) - allowed)}; "
+                         f"accepted: {sorted(allowed | ENGINE_KEYS)}")
+    return cls(**opts)
