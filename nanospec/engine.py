@@ -15,6 +15,7 @@ import time
 import warnings
 from collections import defaultdict
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
@@ -51,7 +52,7 @@ class LLM:
         if str(device).startswith("cuda") and not torch.cuda.is_available():
             raise RuntimeError(f"device={device!r} requested but torch.cuda.is_available() is False")
         if isinstance(model, (str, bytes)) or hasattr(model, "__fspath__"):
-            if tokenizer is None:
+            if tokenizer is None and any((Path(model) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
                 from transformers import AutoTokenizer
                 tokenizer = AutoTokenizer.from_pretrained(str(model))
             model = load_model(model, dtype=dtype, device=device)
@@ -230,8 +231,8 @@ class LLM:
         num_draft = torch.tensor([len(d) for d in proposal.tokens], device=self.device)
         u = torch.stack([1.0 - torch.rand(K1, generator=s.generator or self.generator) for s in seqs])
         u = u.to(self.device)
-        q = proposal.q[:, :K] if proposal.q is not None else None
-        lq = proposal.lenient_q[:, :K] if proposal.lenient_q is not None else None
+        q = proposal.q[:, :K].to(self.device) if proposal.q is not None else None
+        lq = proposal.lenient_q[:, :K].to(self.device) if proposal.lenient_q is not None else None
         n, toks, lps = speculative.verify(logits, draft, num_draft, st, u[:, :K], u[:, K], q, lq)
         host = torch.cat([n.unsqueeze(1).double(), toks.double(), lps.double()], 1).tolist()  # one sync
         finished = []

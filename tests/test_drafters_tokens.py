@@ -316,3 +316,14 @@ def test_every_draft_respects_budget(which):
         d.propose(seqs, [1])
     with pytest.raises(ValueError, match="num_tokens"):
         d.propose(seqs[:1], [-1])
+
+
+def test_constructor_validation():
+    for kwargs, field in [({"depth": 1}, "depth"), ({"window": 0}, "window"), ({"min_prob": 1.5}, "min_prob"),
+                          ({"alpha": 0}, "alpha"), ({"depth": 8, "max_nodes": 4}, "max_nodes")]:
+        with pytest.raises(ValueError, match=field):
+            SuffixDrafter(**kwargs)
+    with pytest.raises(ValueError, match="n_min"):
+        NgramDrafter(n_max=2, n_min=3)
+    with pytest.raises(ValueError, match="max_per_prompt"):
+        PriorRolloutDrafter(max_per_prompt=0)

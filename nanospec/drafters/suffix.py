@@ -9,7 +9,7 @@ most frequent child while the path's empirical probability prod(count(child) / c
 
 * Incremental: `observe(seq)` inserts a finished response at once, so running siblings of the same
   prompt draft from it in the same step; `next_step()` (once per GRPO step) evicts responses older
-  than `window` steps; `max_nodes` caps each trie (oldest responses go first).
+  than `window` steps; `max_nodes` caps each trie (oldest responses go first; ~150 B per node).
 * Suffix links (node for s -> node for s[1:]) make matching incremental, Aho-Corasick style: each new
   context token costs O(1) amortised; a trie change only forces an O(D) rescan of the context tail.
 * A response is stored as prompt[-(D-1):] + response so paths that cross from the prompt into the
@@ -69,7 +69,7 @@ class _Trie:
             for d, t in enumerate(seg):
                 child = node.children[t]
                 child.count -= 1
-                if child.count == 0:       # its subtree is just the rest of this path (counts <= 0)
+                if child.count == 0:   # subtree = rest of this path (other children had count 0: gone)
                     del node.children[t]
                     self.size -= len(seg) - d
                     break
@@ -104,18 +104,14 @@ class SuffixDrafter(Drafter):
     name = "suffix"
 
     def __init__(self, depth: int = 24, window: int = 2, min_prob: float = 0.1, alpha: float = 1.0,
-                 max_nodes: int = 200_000, use_global: bool = False, global_max_nodes: int = 1_000_000):
-        if depth < 2:
-            raise ValueError(f"SuffixDrafter: depth must be >= 2, got {depth}")
-        if window < 1:
-            raise ValueError(f"SuffixDrafter: window must be >= 1 (rollout steps), got {window}")
-        if not 0.0 <= min_prob <= 1.0:
-            raise ValueError(f"SuffixDrafter: min_prob must be in [0, 1], got {min_prob}")
-        if alpha <= 0:
-            raise ValueError(f"SuffixDrafter: alpha must be > 0, got {alpha}")
-        if max_nodes < depth or global_max_nodes < depth:
-            raise ValueError(f"SuffixDrafter: max_nodes/global_max_nodes must be >= depth ({depth}), "
-                             f"got {max_nodes}/{global_max_nodes}")
+                 max_nodes: int = 100_000, use_global: bool = False, global_max_nodes: int = 500_000):
+        for field, value, ok, want in [
+                ("depth", depth, depth >= 2, ">= 2"), ("window", window, window >= 1, ">= 1 (GRPO steps)"),
+                ("min_prob", min_prob, 0 <= min_prob <= 1, "in [0, 1]"), ("alpha", alpha, alpha > 0, "> 0"),
+                ("max_nodes", max_nodes, max_nodes >= depth, f">= depth ({depth})"),
+                ("global_max_nodes", global_max_nodes, global_max_nodes >= depth, f">= depth ({depth})")]:
+            if not ok:
+                raise ValueError(f"SuffixDrafter: {field} must be {want}, got {value}")
         self.depth, self.window, self.min_prob, self.alpha = depth, window, min_prob, alpha
         self.max_nodes, self.global_max_nodes = max_nodes, global_max_nodes
         self.step = 0

@@ -1,0 +1,179 @@
+"""CUDA graphs for decode / verify steps, and KV-pool sizing from free GPU memory.
+
+Why: at small batch a decode step is launch-bound. The decoder issues ~80 small kernels per layer
+(norms, RoPE, paged-KV writes and gathers, attention, MLP), so a 24-layer model spends milliseconds
+in Python and the CUDA launch path while the GPU idles. Capturing the forward once and replaying it
+is one launch per step (as in vLLM / nano-vllm; Speculative decoding makes this matter more: every
+verify step is such a small launch-bound forward).
+
+How:
+* Batch-size buckets 1, 2, 4, ... up to max_num_seqs (max_num_seqs itself is the last bucket). A step
+  with B sequences replays the graph of the smallest bucket >= B; rows B.. are padding: token 0 at
+  position 0, written to the null block and reading only null-block keys (model.PagedKV), so padding
+  never touches a real sequence's KV.
+* One graph per (bucket, Q), Q = new tokens per sequence: 1 for decode, k+1 for a verify with k drafts
+  (ragged rows pad to Q like Runner). Capture is lazy: the first step with a given Q <= max_q captures
+  that Q for every bucket, largest first, into one shared memory pool (smaller graphs reuse the
+  largest one's scratch; replays never overlap). `capture(qs)` does it eagerly. Graphs are never
+  recaptured: weights change by in-place copy (LLM.load_weights), the KV cache is one fixed tensor,
+  and every input goes through the static buffers below.
+* Static inputs, per Q: one int64 tensor [bmax, 3Q + nb] = token ids | positions | slot mapping |
+  block table, filled by one host->device copy per step. Key slots [b, C] are computed inside the
+  graph from the block table, C = nb * block_size = max_model_len rounded up to the block size. The
+  attention masks every key beyond the query's position, so a static C is exact: the extra keys get
+  weight exp(-inf) = 0.
+* Everything else runs Runner.forward eagerly: prefill chunks (Q > max_q), B > the largest bucket.
+
+`emulate=True` (CPU tests, no CUDA): the same buffers, padding and captured closures, "replayed" by
+calling the closure, so bucket choice, padding and static-buffer bookkeeping are testable anywhere.
+"""
+from __future__ import annotations
+
+import bisect
+
+import torch
+
+from .model import CausalLM, PagedKV
+from .runner import Runner
+from .sequence import Sequence
+
+
+def batch_buckets(max_num_seqs: int) -> list[int]:
+    """[1, 2, 4, ..., max_num_seqs] (powers of two below it, then max_num_seqs itself)."""
+    if isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int) or max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be an int >= 1, got {max_num_seqs!r}")
+    out = [1]
+    while out[-1] * 2 < max_num_seqs:
+        out.append(out[-1] * 2)
+    return out + [max_num_seqs] if out[-1] != max_num_seqs else out
+
+
+def kv_block_bytes(model: CausalLM, block_size: int) -> int:
+    """Bytes of one KV block over all layers: 2 (K and V) * layers * block_size * n_kv * head_dim * elem."""
+    a, p = model.args, model.model.embed_tokens.weight
+    return 2 * a.num_layers * block_size * a.num_kv_heads * a.head_dim * p.element_size()
+
+
+def kv_blocks_for_memory(model: CausalLM, block_size: int, gpu_memory_utilization: float) -> int:
+    """How many KV blocks fit in `utilization * total GPU memory - memory already in use`.
+
+    Call after the weights are on the GPU, so that they count as in use. Activations and graph pools
+    are not reserved: leave them the rest of the memory (utilization < 1).
+    """
+    dev = model.model.embed_tokens.weight.device
+    if dev.type != "cuda" or not torch.cuda.is_available():
+        raise RuntimeError(f"kv_blocks_for_memory needs a model on CUDA, got device {dev}")
+    if not isinstance(gpu_memory_utilization, (int, float)) or not 0 < gpu_memory_utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
+    free, total = torch.cuda.mem_get_info(dev)
+    budget = gpu_memory_utilization * total - (total - free)
+    n = int(budget // kv_block_bytes(model, block_size))
+    if n < 1:
+        raise RuntimeError(f"gpu_memory_utilization={gpu_memory_utilization}: {(total - free) / 2**30:.1f} GiB "
+                           f"of {total / 2**30:.1f} GiB already in use, no room for KV blocks; raise it")
+    return n
+
+
+class GraphRunner(Runner):
+    """Runner whose decode/verify forwards replay CUDA graphs; same API (forward/prepare/cache/device)."""
+
+    def __init__(self, model: CausalLM, num_blocks: int, block_size: int, max_num_seqs: int,
+                 max_model_len: int, *, max_q: int = 8, emulate: bool = False):
+        dev = model.model.embed_tokens.weight.device
+        if dev.type != "cuda" and not emulate:
+            raise RuntimeError(f"use_cuda_graphs=True needs CUDA: the model is on {dev} (torch.cuda.is_available()"
+                               f"={torch.cuda.is_available()}); use device='cuda' or use_cuda_graphs=False")
+        if max_q < 1 or max_model_len < 1:
+            raise ValueError(f"max_q and max_model_len must be >= 1, got {max_q}, {max_model_len}")
+        super().__init__(model, num_blocks, block_size)
+        self.emulate = emulate
+        self.buckets = batch_buckets(max_num_seqs)
+        self.max_q = max_q
+        self.nb = -(-max_model_len // block_size)       # block-table width; C = nb * block_size keys
+        self.bufs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # Q -> (inputs [bmax, 3Q+nb], out)
+        self.graphs: dict[tuple[int, int], object] = {}                # (bucket, Q) -> CUDAGraph | closure
+        self.pool = None
+        self.num_captures = 0
+        self.num_replays = 0
+        self.num_eager = 0
+
+    def bucket_for(self, batch: int) -> int | None:
+        """Smallest bucket >= batch, or None if the batch is larger than every bucket."""
+        i = bisect.bisect_left(self.buckets, batch)
+        return self.buckets[i] if i < len(self.buckets) else None
+
+    def pad_row(self, Q: int) -> list[int]:
+        """A padding row: token 0 at position 0 writing to the null slot; block table all null."""
+        null = self.null_block
+        return [0] * (2 * Q) + [null * self.block_size] * Q + [null] * self.nb
+
+    # ---- capture --------------------------------------------------------------------------------
+    def _closure(self, b: int, Q: int):
+        """The forward of bucket b over the static buffers of Q: what gets captured (or, emulated, called)."""
+        inp, out = self.bufs[Q]
+        ids, pos, slots, table = inp[:b].split([Q, Q, Q, self.nb], dim=1)
+        offs = torch.arange(self.block_size, device=self.device)
+        out_b, model, cache, bs = out[:b], self.model, self.cache, self.block_size
+
+        def run():
+            keys = (table[:, :, None] * bs + offs).flatten(1)                 # [b, C] key slots
+            out_b.copy_(model(ids, pos, PagedKV(cache, slots, keys)))
+        return run
+
+    @torch.inference_mode()
+    def capture(self, qs) -> None:
+        """Capture every bucket for each Q in qs (largest bucket first, one shared pool); skips captured Q."""
+        for Q in qs:
+            if not 1 <= Q <= self.max_q:
+                raise ValueError(f"capture: Q must be in [1, max_q={self.max_q}], got {Q}")
+            if Q in self.bufs:
+                continue
+            a, bmax = self.model.args, self.buckets[-1]
+            inp = torch.tensor([self.pad_row(Q)] * bmax, dtype=torch.long, device=self.device)
+            out = torch.zeros(bmax, Q, a.hidden_size, dtype=self.cache.dtype, device=self.device)
+            self.bufs[Q] = (inp, out)
+            for b in reversed(self.buckets):
+                # inputs are all padding here, so the warm-up run only writes to the null block
+                run = self._closure(b, Q)
+                if self.emulate:
+                    self.graphs[b, Q] = run
+                else:
+                    run()                                  # warm-up: lazy inits, cuBLAS handles
+                    torch.cuda.synchronize(self.device)
+                    if self.pool is None:
+                        self.pool = torch.cuda.graph_pool_handle()
+                    g = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(g, pool=self.pool):
+                        run()
+                    self.graphs[b, Q] = g
+                self.num_captures += 1
+
+    # ---- step -----------------------------------------------------------------------------------
+    def host_inputs(self, seqs: list[Sequence], tokens: list[list[int]], starts: list[int], b: int,
+                    Q: int) -> torch.Tensor:
+        """[b, 3Q + nb] int64 on the host: ids | positions | slots | block table; rows >= B are padding."""
+        bs, null, rows = self.block_size, self.null_block, []
+        for s, t, st in zip(seqs, tokens, starts):
+            pad, bt = Q - len(t), s.block_table
+            pos = range(st, st + len(t))
+            rows.append(t + [0] * pad + list(pos) + [0] * pad + [bt[p // bs] * bs + p % bs for p in pos]
+                        + [null * bs] * pad + bt + [null] * (self.nb - len(bt)))
+        rows += [self.pad_row(Q)] * (b - len(seqs))
+        return torch.tensor(rows, dtype=torch.long)
+
+    @torch.inference_mode()
+    def forward(self, seqs: list[Sequence], tokens: list[list[int]], starts: list[int]) -> torch.Tensor:
+        """-> hidden [B, Q, D] (a view of the static output buffer: read it before the next step)."""
+        B, Q = len(seqs), max(len(t) for t in tokens)
+        b = self.bucket_for(B)
+        if b is None or Q > self.max_q or any(len(s.block_table) > self.nb for s in seqs):
+            self.num_eager += 1
+            return super().forward(seqs, tokens, starts)
+        if Q not in self.bufs:
+            self.capture([Q])
+        inp, out = self.bufs[Q]
+        inp[:b].copy_(self.host_inputs(seqs, tokens, starts, b, Q))   # the one H2D copy
+        g = self.graphs[b, Q]
+        g() if self.emulate else g.replay()
+        self.num_replays += 1
+        return out[:B]

@@ -1,0 +1,176 @@
+"""GraphRunner: bucket padding and static-buffer bookkeeping on CPU (emulate=True), real graphs on CUDA."""
+import pytest
+import torch
+
+from nanospec.cuda_graphs import GraphRunner, batch_buckets, kv_block_bytes, kv_blocks_for_memory
+from nanospec.engine import LLM
+from nanospec.model import CausalLM, ModelArgs
+from nanospec.runner import Runner
+from nanospec.sequence import SamplingParams, Sequence
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+BS = 4
+
+
+def tiny(seed=0, vocab=48, device="cpu", dtype=torch.float32):
+    torch.manual_seed(seed)
+    args = ModelArgs(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                     num_kv_heads=2, head_dim=16, max_position_embeddings=128)
+    return CausalLM(args).to(device=device, dtype=dtype).eval()
+
+
+def seqs_with_blocks(lengths, extra):
+    """Sequences of random prompts with distinct block tables covering len + extra tokens."""
+    g = torch.Generator().manual_seed(1)
+    seqs, nxt = [], 0
+    for n in lengths:
+        s = Sequence(torch.randint(0, 48, (n,), generator=g).tolist(), SamplingParams())
+        nb = -(-(n + extra) // BS)
+        s.block_table, nxt = list(range(nxt, nxt + nb)), nxt + nb
+        seqs.append(s)
+    return seqs, nxt
+
+
+def repetitive_prompts(n, vocab=48, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (5 + i % 3,), generator=g).tolist() * 4 for i in range(n)]
+
+
+# ---- CPU (emulate) ------------------------------------------------------------------------------
+def test_buckets_and_padding_rows():
+    assert batch_buckets(1) == [1] and batch_buckets(8) == [1, 2, 4, 8]
+    assert batch_buckets(48) == [1, 2, 4, 8, 16, 32, 48]
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        batch_buckets(0)
+    r = GraphRunner(tiny(), 16, BS, 8, 30, emulate=True)
+    assert r.nb == 8                                           # ceil(30 / 4) blocks: C = 32 keys
+    assert [r.bucket_for(b) for b in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, None]
+    seqs, _ = seqs_with_blocks([3, 6, 2], 2)
+    tokens = [[1, 2], [3], [4, 5]]
+    h = r.forward(seqs, tokens, [len(s) for s in seqs])
+    assert h.shape == (3, 2, 64) and r.num_replays == 1 and r.num_captures == 4   # Q=2, buckets 8..1
+    inp = r.bufs[2][0]
+    null = r.null_block
+    assert inp[3].tolist() == r.pad_row(2)                     # bucket 4: row 3 is padding
+    assert r.pad_row(2) == [0, 0, 0, 0, null * BS, null * BS] + [null] * 8
+    # seq 1: one real token at position 6 (slot block[1]*4+2), one padded query -> null slot
+    assert inp[1].tolist()[:6] == [3, 0, 6, 0, seqs[1].block_table[1] * BS + 2, null * BS]
+    assert inp[1, 6:].tolist() == seqs[1].block_table + [null] * (8 - len(seqs[1].block_table))
+
+
+@pytest.mark.parametrize("Q", [1, 3, 6])
+@pytest.mark.parametrize("lengths", [[5, 11, 2], [7, 3, 9, 1, 4]])
+def test_emulated_replay_equals_eager(Q, lengths):
+    model = tiny()
+    seqs, nblocks = seqs_with_blocks(lengths, Q)
+    eager, graph = Runner(model, nblocks, BS), GraphRunner(model, nblocks, BS, 8, 40, max_q=6, emulate=True)
+    prompts = [s.token_ids for s in seqs]
+    for r in (eager, graph):                    # prefill: Q = 11 > max_q -> eager in both
+        r.forward(seqs, prompts, [0] * len(seqs))
+    assert graph.num_eager == 1 and graph.num_replays == 0
+    g = torch.Generator().manual_seed(2)
+    tokens = [torch.randint(0, 48, (max(1, Q - i % 3),), generator=g).tolist() for i in range(len(seqs))]
+    starts = [len(s) for s in seqs]
+    he, hg = eager.forward(seqs, tokens, starts), graph.forward(seqs, tokens, starts)
+    assert graph.num_replays == 1 and hg.shape[0] == len(seqs)
+    for b, t in enumerate(tokens):
+        torch.testing.assert_close(hg[b, :len(t)], he[b, :len(t)], rtol=1e-5, atol=1e-5)
+    real = slice(0, nblocks * BS)                               # KV written to the same real slots
+    torch.testing.assert_close(graph.cache[:, :, real], eager.cache[:, :, real], rtol=1e-5, atol=1e-5)
+
+
+def emulated_llm(model, **kw):
+    llm = LLM(model, dtype="float32", device="cpu", max_num_seqs=8, block_size=BS, max_model_len=96, **kw)
+    llm.runner = GraphRunner(llm.model, llm.blocks.num_blocks, BS, 8, llm.max_model_len, emulate=True)
+    return llm
+
+
+def greedy(llm, prompts, n=24):
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True), use_tqdm=False)
+    return [o.token_ids for o in outs]
+
+
+def test_llm_emulated_graphs_match_ar_and_speculative():
+    model, prompts = tiny(seed=5), repetitive_prompts(5)
+    ar = greedy(LLM(model, dtype="float32", device="cpu", max_num_seqs=8, block_size=BS, max_model_len=96), prompts)
+    g_ar = emulated_llm(model)
+    assert greedy(g_ar, prompts) == ar
+    assert g_ar.runner.num_replays > 0 and set(q for _, q in g_ar.runner.graphs) == {1}
+    g_spec = emulated_llm(model, speculative={"method": "ngram", "num_draft_tokens": 4})
+    assert greedy(g_spec, prompts) == ar
+    assert g_spec.stats["accepted_tokens"] > 0                  # verify windows Q > 1 went through graphs
+    assert max(q for _, q in g_spec.runner.graphs) > 1 and g_spec.runner.num_replays > 0
+
+
+def test_load_weights_in_place_keeps_graphs():
+    model = tiny(seed=6)
+    llm, prompts = emulated_llm(model), repetitive_prompts(3)
+    greedy(llm, prompts)
+    r = llm.runner
+    ptrs = {n: p.data_ptr() for n, p in llm.model.state_dict().items()}
+    bufs = {q: (i.data_ptr(), o.data_ptr()) for q, (i, o) in r.bufs.items()}
+    graphs, captures, cache = dict(r.graphs), r.num_captures, r.cache.data_ptr()
+    new = tiny(seed=7).state_dict()
+    llm.load_weights(new)
+    after = greedy(llm, prompts)
+    assert r.num_captures == captures and all(r.graphs[k] is v for k, v in graphs.items())
+    assert {n: p.data_ptr() for n, p in llm.model.state_dict().items()} == ptrs
+    assert {q: (i.data_ptr(), o.data_ptr()) for q, (i, o) in r.bufs.items()} == bufs and r.cache.data_ptr() == cache
+    fresh = LLM(tiny(seed=7), dtype="float32", device="cpu", max_num_seqs=8, block_size=BS, max_model_len=96)
+    assert after == greedy(fresh, prompts)                      # the graphs see the new weights
+
+
+def test_clear_error_without_cuda():
+    with pytest.raises(RuntimeError, match="use_cuda_graphs=True needs CUDA"):
+        GraphRunner(tiny(), 16, BS, 8, 32)
+    with pytest.raises(RuntimeError, match="use_cuda_graphs=True needs CUDA"):
+        LLM(tiny(), device="cpu", use_cuda_graphs=True, num_kv_blocks=16, block_size=BS)
+    with pytest.raises(RuntimeError, match="needs a model on CUDA"):
+        kv_blocks_for_memory(tiny(), BS, 0.5)
+    with pytest.raises(ValueError, match="max_q"):
+        GraphRunner(tiny(), 16, BS, 8, 32, max_q=0, emulate=True)
+    assert kv_block_bytes(tiny(), BS) == 2 * 2 * BS * 2 * 16 * 4
+
+
+# ---- CUDA ---------------------------------------------------------------------------------------
+def cuda_llm(model, dtype, graphs, **kw):
+    return LLM(model, dtype=dtype, device="cuda", max_num_seqs=8, block_size=16, max_model_len=128,
+               num_kv_blocks=64, use_cuda_graphs=graphs, **kw)
+
+
+@cuda
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_graph_replay_equals_eager(dtype):
+    model, prompts = tiny(seed=8, device="cuda"), repetitive_prompts(5)
+    eager = greedy(cuda_llm(model, dtype, False), prompts, 32)
+    llm = cuda_llm(model, dtype, True)
+    assert isinstance(llm.runner, GraphRunner) and not llm.runner.emulate
+    assert greedy(llm, prompts, 32) == eager
+    assert llm.runner.num_replays > 0 and llm.runner.num_captures == 4      # Q=1 for buckets 8, 4, 2, 1
+    assert greedy(llm, prompts[:1], 32) == eager[:1]                         # bucket 1, no new capture
+    assert llm.runner.num_captures == 4
+
+
+@cuda
+def test_cuda_spec_with_graphs_equals_ar_and_no_recapture_after_load_weights():
+    model, prompts = tiny(seed=9, device="cuda"), repetitive_prompts(6)
+    ar = greedy(cuda_llm(model, "float32", False), prompts, 32)
+    llm = cuda_llm(model, "float32", True, speculative={"method": "ngram", "num_draft_tokens": 4})
+    assert greedy(llm, prompts, 32) == ar and llm.stats["accepted_tokens"] > 0
+    r = llm.runner
+    captures, ptrs = r.num_captures, [p.data_ptr() for p in llm.model.parameters()]
+    llm.load_weights(tiny(seed=10).state_dict())
+    after = greedy(llm, prompts, 32)
+    assert r.num_captures == captures and [p.data_ptr() for p in llm.model.parameters()] == ptrs
+    assert after == greedy(cuda_llm(tiny(seed=10, device="cuda"), "float32", False), prompts, 32)
+
+
+@cuda
+def test_kv_blocks_for_memory_formula():
+    model = tiny(device="cuda", dtype=torch.bfloat16)
+    free, total = torch.cuda.mem_get_info()
+    util = min(1.0, (total - free) / total + 0.01)              # ~1% of the card beyond what is in use
+    n = kv_blocks_for_memory(model, 16, util)
+    assert abs(n - (util * total - (total - free)) / kv_block_bytes(model, 16)) <= 2 + 0.001 * n
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        kv_blocks_for_memory(model, 16, 1.5)
