@@ -112,15 +112,18 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def rope(x, positions, theta: float):
-    """Rotary embedding, HF's rotate-half convention. x: [B, H, Q, hd], positions: [B, Q]."""
-    hd = x.shape[-1]
-    inv_freq = 1.0 / theta ** (torch.arange(0, hd, 2, device=x.device, dtype=torch.int64).float() / hd)
+def rope_cos_sin(positions, head_dim: int, theta: float):
+    """cos, sin [B, 1, Q, hd] for HF's rotate-half RoPE; computed once per forward, shared by layers."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim)
     freqs = positions[:, None, :, None].float() * inv_freq                  # [B, 1, Q, hd/2]
-    cos, sin = torch.cat([freqs, freqs], -1).cos(), torch.cat([freqs, freqs], -1).sin()
-    x1, x2 = x[..., : hd // 2], x[..., hd // 2:]
-    rotated = torch.cat([-x2, x1], -1)
-    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+    emb = torch.cat([freqs, freqs], -1)
+    return emb.cos(), emb.sin()
+
+
+def rope(x, cos, sin):
+    """x: [B, H, Q, hd] rotated by position: x * cos + rotate_half(x) * sin."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return (x.float() * cos + torch.cat([-x2, x1], -1).float() * sin).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -135,7 +138,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(a.head_dim, a.rms_norm_eps)
             self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps)
 
-    def forward(self, x, positions, kv: PagedKV | None):
+    def forward(self, x, rotary, mask, kv: PagedKV | None):
         B, Q, _ = x.shape
         a = self.a
         q = self.q_proj(x).view(B, Q, a.num_heads, a.head_dim)
@@ -143,8 +146,8 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, Q, a.num_kv_heads, a.head_dim)
         if a.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = rope(q.transpose(1, 2), positions, a.rope_theta)                 # [B, Hq, Q, hd]
-        k = rope(k.transpose(1, 2), positions, a.rope_theta).transpose(1, 2)  # [B, Q, Hkv, hd]
+        q = rope(q.transpose(1, 2), *rotary)                                 # [B, Hq, Q, hd]
+        k = rope(k.transpose(1, 2), *rotary).transpose(1, 2)                 # [B, Q, Hkv, hd]
         if kv is None:  # training / reference: causal attention over the input itself
             out = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2),
                                                  is_causal=True, enable_gqa=True)
@@ -154,11 +157,7 @@ class Attention(nn.Module):
             v_cache.index_copy_(0, kv.slot_mapping.flatten(), v.reshape(B * Q, a.num_kv_heads, a.head_dim))
             keys = k_cache[kv.key_slots].transpose(1, 2)                     # [B, Hkv, C, hd]
             vals = v_cache[kv.key_slots].transpose(1, 2)
-            # query at position p sees keys 0..p of its own sequence: causal within the new tokens,
-            # full view of the cached prefix. Padded queries (position 0) see key 0 only: finite, ignored.
-            C = kv.key_slots.shape[1]
-            mask = torch.arange(C, device=x.device)[None, None, :] <= positions[:, :, None]  # [B, Q, C]
-            out = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask[:, None], enable_gqa=True)
+            out = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).reshape(B, Q, a.num_heads * a.head_dim))
 
 
@@ -181,8 +180,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
 
-    def forward(self, x, positions, kv):
-        x = x + self.self_attn(self.input_layernorm(x), positions, kv)
+    def forward(self, x, rotary, mask, kv):
+        x = x + self.self_attn(self.input_layernorm(x), rotary, mask, kv)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -208,8 +207,15 @@ class CausalLM(nn.Module):
         if positions is None:
             positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         x = self.model.embed_tokens(input_ids)
+        rotary = rope_cos_sin(positions, self.args.head_dim, self.args.rope_theta)
+        mask = None
+        if kv is not None:
+            # a query at position p sees keys 0..p of its own sequence: causal within the new tokens,
+            # the whole cached prefix. Padded queries (position 0) see key 0 only: finite, ignored.
+            C = kv.key_slots.shape[1]
+            mask = (torch.arange(C, device=x.device) <= positions[:, :, None]).unsqueeze(1)  # [B, 1, Q, C]
         for layer in self.model.layers:
-            x = layer(x, positions, kv)
+            x = layer(x, rotary, mask, kv)
         return self.model.norm(x)
 
     def logits(self, hidden):
