@@ -91,7 +91,7 @@ class GraphRunner(Runner):
         self.max_q = max_q
         self.nb = -(-max_model_len // block_size)       # block-table width; C = nb * block_size keys
         self.bufs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # Q -> (inputs [bmax, 3Q+nb], out)
-        self.graphs: dict[tuple[int, int], object] = {}                # (bucket, Q) -> CUDAGraph | closure
+        self.graphs: dict[tuple[int, int], tuple] = {}     # (bucket, Q) -> (CUDAGraph | None if emulated, closure)
         self.pool = None
         self.num_captures = 0
         self.num_replays = 0
@@ -134,10 +134,8 @@ class GraphRunner(Runner):
             self.bufs[Q] = (inp, out)
             for b in reversed(self.buckets):
                 # inputs are all padding here, so the warm-up run only writes to the null block
-                run = self._closure(b, Q)
-                if self.emulate:
-                    self.graphs[b, Q] = run
-                else:
+                run, g = self._closure(b, Q), None
+                if not self.emulate:
                     run()                                  # warm-up: lazy inits, cuBLAS handles
                     torch.cuda.synchronize(self.device)
                     if self.pool is None:
@@ -145,7 +143,8 @@ class GraphRunner(Runner):
                     g = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(g, pool=self.pool):
                         run()
-                    self.graphs[b, Q] = g
+                # keep `run` alive: the graph reads the addresses of every tensor the closure holds
+                self.graphs[b, Q] = (g, run)
                 self.num_captures += 1
 
     # ---- step -----------------------------------------------------------------------------------
@@ -173,7 +172,7 @@ class GraphRunner(Runner):
             self.capture([Q])
         inp, out = self.bufs[Q]
         inp[:b].copy_(self.host_inputs(seqs, tokens, starts, b, Q))   # the one H2D copy
-        g = self.graphs[b, Q]
-        g() if self.emulate else g.replay()
+        g, run = self.graphs[b, Q]
+        run() if g is None else g.replay()
         self.num_replays += 1
         return out[:B]

@@ -13,10 +13,16 @@ BS = 4
 
 
 def tiny(seed=0, vocab=48, device="cpu", dtype=torch.float32):
+    """Untied head, x2 on the layer matrices: a random model whose greedy output depends on the context
+    (with tied N(0,1) embeddings it just repeats its last token) and that copies repeated patterns."""
     torch.manual_seed(seed)
     args = ModelArgs(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                     num_kv_heads=2, head_dim=16, max_position_embeddings=128)
-    return CausalLM(args).to(device=device, dtype=dtype).eval()
+                     num_kv_heads=2, head_dim=16, max_position_embeddings=128, tie_word_embeddings=False)
+    model = CausalLM(args)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.mul_(2.0) if p.dim() == 2 and "embed" not in name else None
+    return model.to(device=device, dtype=dtype).eval()
 
 
 def seqs_with_blocks(lengths, extra):
@@ -63,7 +69,8 @@ def test_buckets_and_padding_rows():
 def test_emulated_replay_equals_eager(Q, lengths):
     model = tiny()
     seqs, nblocks = seqs_with_blocks(lengths, Q)
-    eager, graph = Runner(model, nblocks, BS), GraphRunner(model, nblocks, BS, 8, 40, max_q=6, emulate=True)
+    eager = Runner(model, nblocks, BS)       # max_model_len: the longest row reaches the last key slot
+    graph = GraphRunner(model, nblocks, BS, 8, max(lengths) + Q, max_q=6, emulate=True)
     prompts = [s.token_ids for s in seqs]
     for r in (eager, graph):                    # prefill: Q = 11 > max_q -> eager in both
         r.forward(seqs, prompts, [0] * len(seqs))
@@ -80,9 +87,13 @@ def test_emulated_replay_equals_eager(Q, lengths):
 
 
 def emulated_llm(model, **kw):
-    llm = LLM(model, dtype="float32", device="cpu", max_num_seqs=8, block_size=BS, max_model_len=96, **kw)
+    llm = cpu_llm(model, **kw)
     llm.runner = GraphRunner(llm.model, llm.blocks.num_blocks, BS, 8, llm.max_model_len, emulate=True)
     return llm
+
+
+def cpu_llm(model, **kw):
+    return LLM(model, dtype="float32", device="cpu", max_num_seqs=8, block_size=BS, max_model_len=96, **kw)
 
 
 def greedy(llm, prompts, n=24):
@@ -92,7 +103,7 @@ def greedy(llm, prompts, n=24):
 
 def test_llm_emulated_graphs_match_ar_and_speculative():
     model, prompts = tiny(seed=5), repetitive_prompts(5)
-    ar = greedy(LLM(model, dtype="float32", device="cpu", max_num_seqs=8, block_size=BS, max_model_len=96), prompts)
+    ar = greedy(cpu_llm(model), prompts)
     g_ar = emulated_llm(model)
     assert greedy(g_ar, prompts) == ar
     assert g_ar.runner.num_replays > 0 and set(q for _, q in g_ar.runner.graphs) == {1}
@@ -103,8 +114,8 @@ def test_llm_emulated_graphs_match_ar_and_speculative():
 
 
 def test_load_weights_in_place_keeps_graphs():
-    model = tiny(seed=6)
-    llm, prompts = emulated_llm(model), repetitive_prompts(3)
+    # prefix_caching off: LLM.load_weights keeps prefix-cache hits whose KV came from the old weights
+    llm, prompts = emulated_llm(tiny(seed=6), prefix_caching=False), repetitive_prompts(3)
     greedy(llm, prompts)
     r = llm.runner
     ptrs = {n: p.data_ptr() for n, p in llm.model.state_dict().items()}
@@ -113,11 +124,11 @@ def test_load_weights_in_place_keeps_graphs():
     new = tiny(seed=7).state_dict()
     llm.load_weights(new)
     after = greedy(llm, prompts)
-    assert r.num_captures == captures and all(r.graphs[k] is v for k, v in graphs.items())
+    assert r.num_captures == captures == len(r.graphs) and all(r.graphs[k] is v for k, v in graphs.items())
     assert {n: p.data_ptr() for n, p in llm.model.state_dict().items()} == ptrs
     assert {q: (i.data_ptr(), o.data_ptr()) for q, (i, o) in r.bufs.items()} == bufs and r.cache.data_ptr() == cache
-    fresh = LLM(tiny(seed=7), dtype="float32", device="cpu", max_num_seqs=8, block_size=BS, max_model_len=96)
-    assert after == greedy(fresh, prompts)                      # the graphs see the new weights
+    # the graphs see the new weights
+    assert after == greedy(cpu_llm(tiny(seed=7)), prompts) != greedy(cpu_llm(tiny(seed=6)), prompts)
 
 
 def test_clear_error_without_cuda():
@@ -146,22 +157,28 @@ def test_cuda_graph_replay_equals_eager(dtype):
     llm = cuda_llm(model, dtype, True)
     assert isinstance(llm.runner, GraphRunner) and not llm.runner.emulate
     assert greedy(llm, prompts, 32) == eager
-    assert llm.runner.num_replays > 0 and llm.runner.num_captures == 4      # Q=1 for buckets 8, 4, 2, 1
-    assert greedy(llm, prompts[:1], 32) == eager[:1]                         # bucket 1, no new capture
-    assert llm.runner.num_captures == 4
+    r = llm.runner
+    assert r.num_replays > 0 and r.num_captures == 4 and set(r.graphs) == {(8, 1), (4, 1), (2, 1), (1, 1)}
+    g1 = r.graphs[1, 1]
+    # again: prefix-cache hits leave a few prompt tokens to prefill, so new Q (<= max_q) may be captured
+    assert greedy(llm, prompts[:1], 32) == eager[:1]
+    assert r.graphs[1, 1] is g1 and r.num_captures == len(r.graphs)         # nothing captured twice
 
 
 @cuda
 def test_cuda_spec_with_graphs_equals_ar_and_no_recapture_after_load_weights():
     model, prompts = tiny(seed=9, device="cuda"), repetitive_prompts(6)
     ar = greedy(cuda_llm(model, "float32", False), prompts, 32)
-    llm = cuda_llm(model, "float32", True, speculative={"method": "ngram", "num_draft_tokens": 4})
-    assert greedy(llm, prompts, 32) == ar and llm.stats["accepted_tokens"] > 0
+    llm = cuda_llm(model, "float32", True, speculative={"method": "ngram", "num_draft_tokens": 4},
+                   prefix_caching=False)     # see test_load_weights_in_place_keeps_graphs
     r = llm.runner
+    r.capture(range(1, 6))                      # decode + every verify width (k <= 4), all buckets
+    assert r.num_captures == 4 * 5
+    assert greedy(llm, prompts, 32) == ar and llm.stats["accepted_tokens"] > 0
     captures, ptrs = r.num_captures, [p.data_ptr() for p in llm.model.parameters()]
     llm.load_weights(tiny(seed=10).state_dict())
     after = greedy(llm, prompts, 32)
-    assert r.num_captures == captures and [p.data_ptr() for p in llm.model.parameters()] == ptrs
+    assert r.num_captures == captures == 20 and [p.data_ptr() for p in llm.model.parameters()] == ptrs
     assert after == greedy(cuda_llm(tiny(seed=10, device="cuda"), "float32", False), prompts, 32)
 
 

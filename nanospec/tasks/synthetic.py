@@ -23,13 +23,11 @@ partial credit otherwise (exact-answer-only reward gave GRPO no signal on long p
 from __future__ import annotations
 
 import hashlib
-import itertools
 import random
 from dataclasses import dataclass, field
 
 LABELS = "abcdefghijklmnopqrstuvwxyz"
 VOCAB = list("0123456789") + list(LABELS) + [";", "=", "?"]
-_ENUM_LIMIT = 10_000  # splits of k-step prompts with <= this many variants are enumerated, not rejected
 
 
 @dataclass
@@ -52,7 +50,7 @@ class SyntheticTask:
 
     def __init__(self, seed: int = 0, min_steps: int = 1, max_steps: int = 26, zipf_alpha: float = 1.5,
                  modulus: int = 10, test_fraction: float = 0.2, final_weight: float = 0.5):
-        for key, ok, want in [("min_steps", 1 <= min_steps <= max_steps, f"1 <= min_steps <= max_steps"),
+        for key, ok, want in [("min_steps", 1 <= min_steps <= max_steps, "1 <= min_steps <= max_steps"),
                               ("max_steps", max_steps <= len(LABELS), f"<= {len(LABELS)} (one label each)"),
                               ("zipf_alpha", zipf_alpha >= 0, ">= 0"),
                               ("modulus", 2 <= modulus <= 10, "in [2, 10] (single-digit tokens)"),
@@ -64,7 +62,6 @@ class SyntheticTask:
         self.modulus, self.test_fraction, self.final_weight = modulus, test_fraction, final_weight
         self._ks = list(range(min_steps, max_steps + 1))
         self._kw = [k ** -zipf_alpha for k in self._ks]
-        self._enum: dict[tuple[int, str], list[tuple[int, ...]]] = {}
 
     @property
     def max_response_tokens(self) -> int:
@@ -80,19 +77,14 @@ class SyntheticTask:
         prompt = " ".join(f"{l} {d}" for l, d, _ in steps) + " ?"
         return Problem(prompt, str(s), steps, {"k": len(steps), "split": split})
 
-    def _digits(self, rng: random.Random, k: int, split: str) -> tuple[int, ...] | None:
-        want_test = split == "test"
-        if self.modulus ** k <= _ENUM_LIMIT:  # few variants: pick among this split's share of them
-            if (k, split) not in self._enum:
-                combos = itertools.product(range(self.modulus), repeat=k)
-                self._enum[k, split] = [c for c in combos
-                                        if _in_test(self.make_problem(list(c)).prompt, self.test_fraction) == want_test]
-            pool = self._enum[k, split]
-            return rng.choice(pool) if pool else None
-        while True:  # many variants: rejection sampling, accepts with prob test_fraction or 1 - it
-            c = tuple(rng.randrange(self.modulus) for _ in range(k))
-            if _in_test(self.make_problem(list(c)).prompt, self.test_fraction) == want_test:
-                return c
+    def _digits(self, rng: random.Random, k: int, split: str) -> list[int] | None:
+        """k digits whose prompt hashes into `split`, or None: a short length may have (almost) no
+        prompt in a split (k=1 has 10 prompts), then the caller draws another k."""
+        for _ in range(64):
+            digits = [rng.randrange(self.modulus) for _ in range(k)]
+            if _in_test(self.make_problem(digits).prompt, self.test_fraction) == (split == "test"):
+                return digits
+        return None
 
     def sample(self, split: str, n: int, seed: int | None = None) -> list[Problem]:
         """n problems of `split` ("train" | "test"); the same (task seed or `seed`, split) -> same list."""
@@ -104,7 +96,7 @@ class SyntheticTask:
             k = rng.choices(self._ks, weights=self._kw)[0]
             digits = self._digits(rng, k, split)
             if digits is not None:
-                out.append(self.make_problem(list(digits), split))
+                out.append(self.make_problem(digits, split))
         return out
 
     def train(self, n: int) -> list[Problem]:

@@ -1,0 +1,397 @@
+"""Run configuration: one small dataclass per YAML section, validated, with CLI overrides.
+
+    cfg = load_config("configs/default.yaml", ["--grpo.num_steps=5", "--rollout.speculative=null"])
+    cfg.grpo.num_generations, cfg.rollout.speculative, ...
+
+A YAML file may start with `base: other.yaml` (relative to itself) and then override only what
+differs. Override values are parsed as YAML scalars/flow values (`=null`, `=[3,5]`, `={method: ngram,
+num_draft_tokens: 4}`). Any unknown key, wrong type or impossible value raises ValueError naming the
+dotted key, the file (or override) it came from and what was expected: a typo must not silently run
+the default. Names of `grpo` knobs follow TRL's GRPOConfig.
+"""
+from __future__ import annotations
+
+import types
+import typing
+import warnings
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+DRAFT_METHODS = ("ngram", "suffix", "prior", "self", "draft_model")
+
+
+@dataclass
+class ModelConfig:
+    arch: str = "llama"                 # llama | qwen2 | qwen3 (the tiny default is built, not loaded)
+    hidden_size: int = 256
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int | None = None         # null: hidden_size // num_heads
+    intermediate_size: int = 688
+    max_position_embeddings: int = 256
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = True
+    path: str | None = None             # an HF model dir to load instead of the embedded tiny model
+
+    def rules(self):
+        hd = self.head_dim or (self.hidden_size // self.num_heads if self.num_heads > 0 else 0)
+        return [("arch", self.arch in ("llama", "qwen2", "qwen3"), "one of llama, qwen2, qwen3"),
+                *_pos(self, "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size"),
+                ("num_kv_heads", self.num_kv_heads > 0 and self.num_heads % self.num_kv_heads == 0,
+                 f"a divisor of num_heads ({self.num_heads})"),
+                ("hidden_size", self.head_dim is not None or self.hidden_size % max(self.num_heads, 1) == 0,
+                 f"divisible by num_heads ({self.num_heads}) unless head_dim is set"),
+                ("head_dim", hd > 0 and hd % 2 == 0, "an even per-head size >= 2 (RoPE rotates pairs)"),
+                ("max_position_embeddings", self.max_position_embeddings >= 2, "an int >= 2"),
+                ("rope_theta", self.rope_theta > 0, "> 0"),
+                ("path", self.path is None or self.path.strip() != "", "null or a model directory")]
+
+
+@dataclass
+class TaskConfig:
+    name: str = "synthetic"             # synthetic | gsm8k
+    data_path: str | None = None        # gsm8k: folder with train/test.jsonl (null: $NANOSPEC_DATA or ../shared/data)
+    seed: int = 0
+    num_train: int = 4096               # size of the training prompt pool
+    num_test: int = 256
+    min_steps: int = 1                  # synthetic knobs (see tasks/synthetic.py)
+    max_steps: int = 26
+    zipf_alpha: float = 1.5
+    modulus: int = 10
+    test_fraction: float = 0.2
+    final_weight: float = 0.5
+
+    def rules(self):
+        return [("name", self.name in ("synthetic", "gsm8k"), "one of synthetic, gsm8k"),
+                *_pos(self, "num_train", "min_steps"),
+                ("num_test", self.num_test >= 0, ">= 0"),
+                ("max_steps", self.min_steps <= self.max_steps <= 26, "in [min_steps, 26]"),
+                ("zipf_alpha", self.zipf_alpha >= 0, ">= 0"),
+                ("modulus", 2 <= self.modulus <= 10, "in [2, 10]"),
+                ("test_fraction", 0 < self.test_fraction < 1, "in (0, 1)"),
+                ("final_weight", 0 <= self.final_weight <= 1, "in [0, 1]")]
+
+
+@dataclass
+class SFTConfig:
+    steps: int = 1000                   # 0: no SFT warm-up
+    batch_size: int = 32
+    lr: float = 2e-3
+    error_rate: float = 0.1             # fraction of traces with one injected slip (imperfect SFT)
+    out_dir: str = "runs/sft"           # reused when it already holds a model
+    bf16_autocast: bool = True
+
+    def rules(self):
+        return [("steps", self.steps >= 0, ">= 0"), *_pos(self, "batch_size", "lr"),
+                ("error_rate", 0 <= self.error_rate <= 1, "in [0, 1]"),
+                ("out_dir", self.out_dir.strip() != "", "a non-empty path")]
+
+
+@dataclass
+class GRPOConfig:
+    num_steps: int = 20
+    prompts_per_step: int = 8           # global, across ranks
+    num_generations: int = 8            # G, completions per prompt
+    max_completion_length: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1                     # -1: off
+    learning_rate: float = 1e-4
+    beta: float = 0.0                   # KL coefficient (k3 estimator); 0 = no reference model
+    epsilon: float = 0.2
+    epsilon_high: float | None = None   # null: = epsilon (DAPO's clip-higher when larger)
+    loss_type: str = "grpo"             # grpo (per-sequence mean) | dapo (token mean over the batch)
+    scale_rewards: bool = True
+    num_iterations: int = 1             # mu: optimizer passes per rollout batch
+    gradient_accumulation_steps: int = 1
+    max_grad_norm: float | None = 1.0   # null: no clipping
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    tis_cap: float | None = None        # truncated importance sampling cap (null: off)
+    tis_mode: str = "truncate"          # truncate | mask
+
+    def rules(self):
+        return [*_pos(self, "num_steps", "prompts_per_step", "max_completion_length", "temperature",
+                      "learning_rate", "epsilon", "num_iterations", "gradient_accumulation_steps"),
+                ("num_generations", self.num_generations >= 2, "an int >= 2 (a group of one has no advantage)"),
+                ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
+                ("top_k", self.top_k == -1 or self.top_k >= 1, "-1 (off) or an int >= 1"),
+                ("beta", self.beta >= 0, ">= 0"),
+                ("epsilon_high", self.epsilon_high is None or self.epsilon_high >= self.epsilon,
+                 f"null or >= epsilon ({self.epsilon})"),
+                ("loss_type", self.loss_type in ("grpo", "dapo"), "one of grpo, dapo"),
+                ("max_grad_norm", self.max_grad_norm is None or self.max_grad_norm > 0, "null or > 0"),
+                ("weight_decay", self.weight_decay >= 0, ">= 0"),
+                ("warmup_steps", self.warmup_steps >= 0, ">= 0"),
+                ("tis_cap", self.tis_cap is None or self.tis_cap >= 1, "null (off) or a cap >= 1"),
+                ("tis_mode", self.tis_mode in ("truncate", "mask"), "one of truncate, mask")]
+
+
+@dataclass
+class RolloutConfig:
+    dtype: str = "float32"              # float32 | bfloat16 | float16
+    device: str = "cpu"                 # cpu | cuda | cuda:N
+    max_num_seqs: int = 64
+    block_size: int = 16
+    num_kv_blocks: int | None = None    # null: enough for max_num_seqs full-length sequences
+    max_num_batched_tokens: int | None = None
+    prefix_caching: bool = True
+    speculative: Any = None             # null | {method, num_draft_tokens, ...} | list of such dicts
+    use_cuda_graphs: bool = False
+    gpu_memory_utilization: float = 0.5
+
+    def rules(self):
+        return [("dtype", self.dtype in ("float32", "bfloat16", "float16"), "one of float32, bfloat16, float16"),
+                ("device", self.device == "cpu" or self.device.split(":")[0] == "cuda", "cpu, cuda or cuda:N"),
+                *_pos(self, "max_num_seqs", "num_kv_blocks", "max_num_batched_tokens"),
+                ("block_size", self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,
+                 "a power of 2"),
+                ("use_cuda_graphs", not self.use_cuda_graphs or self.device.startswith("cuda"),
+                 "false unless device is cuda (CUDA graphs need a GPU)"),
+                ("gpu_memory_utilization", 0 < self.gpu_memory_utilization <= 1, "in (0, 1]"),
+                *_speculative_rules(self.speculative)]
+
+
+@dataclass
+class PoliciesConfig:
+    bubble_drafting: bool = True        # idle fast ranks pre-draft for slow ranks (BubbleSpec)
+    length_aware_assignment: bool = True  # balance predicted rollout length across ranks (DAS)
+    length_classes: list[int] = field(default_factory=lambda: [16, 48])  # [] : off
+    length_class_budgets: list[int] = field(default_factory=lambda: [0, 4, 8])
+    toggle: bool = True                 # speculate only where the cost model predicts a speedup
+    toggle_min_speedup: float = 1.05
+    adaptive_draft_length: bool = True  # acceptance-aware ladder (EfficientRollout)
+    draft_ladder: list[int] = field(default_factory=lambda: [3, 5, 7, 9, 11])
+    ladder_up: float = 0.94
+    ladder_down: float = 0.85
+
+    def rules(self):
+        c, b, lad = self.length_classes, self.length_class_budgets, self.draft_ladder
+        return [("length_classes", all(t > 0 for t in c) and all(x < y for x, y in zip(c, c[1:])),
+                 "strictly increasing lengths > 0 ([] = off)"),
+                ("length_class_budgets", not c or len(b) == len(c) + 1,
+                 f"len(length_classes) + 1 = {len(c) + 1} draft budgets"),
+                ("length_class_budgets", all(x >= 0 for x in b), "draft budgets >= 0"),
+                ("toggle_min_speedup", self.toggle_min_speedup > 0, "> 0"),
+                ("draft_ladder", len(lad) > 0 and lad[0] >= 1 and all(x < y for x, y in zip(lad, lad[1:])),
+                 "a non-empty strictly increasing list of ints >= 1"),
+                ("ladder_up", 0 < self.ladder_up <= 1, "in (0, 1]"),
+                ("ladder_down", 0 < self.ladder_down < self.ladder_up, f"in (0, ladder_up={self.ladder_up})")]
+
+
+@dataclass
+class RunConfig:
+    out_dir: str = "runs/default"
+    seed: int = 0
+    save_every: int = 0                 # optimizer steps between checkpoints (0: only at the end)
+    log_every: int = 1
+    resume: bool = False
+    eval_every: int = 0                 # 0: eval only at the start and the end
+    num_threads: int = 1                # torch threads per rank
+
+    def rules(self):
+        return [("out_dir", self.out_dir.strip() != "", "a non-empty path"),
+                ("save_every", self.save_every >= 0, ">= 0"), ("eval_every", self.eval_every >= 0, ">= 0"),
+                *_pos(self, "log_every", "num_threads")]
+
+
+SECTIONS = {"model": ModelConfig, "task": TaskConfig, "sft": SFTConfig, "grpo": GRPOConfig,
+            "rollout": RolloutConfig, "policies": PoliciesConfig, "run": RunConfig}
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    policies: PoliciesConfig = field(default_factory=PoliciesConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(config_to_dict(self), sort_keys=False)
+
+
+def _pos(sec, *keys):
+    """Rules 'key > 0' (None passes: those keys mean 'auto')."""
+    return [(k, getattr(sec, k) is None or getattr(sec, k) > 0, "> 0") for k in keys]
+
+
+def _speculative_rules(spec):
+    """(key, ok, expected) rules for rollout.speculative; warns when a lossy option is on."""
+    if spec is None:
+        return []
+    specs = spec if isinstance(spec, list) else [spec]
+    if not specs or not all(isinstance(s, dict) for s in specs):
+        return [("speculative", False, "null, a {method, num_draft_tokens, ...} dict or a non-empty list of them", spec)]
+    out = []
+    for i, s in enumerate(specs):
+        key = f"speculative[{i}]" if isinstance(spec, list) else "speculative"
+        k, m, len_ = s.get("num_draft_tokens"), s.get("method"), s.get("lenience", 1.0)
+        out += [(f"{key}.method", m in DRAFT_METHODS, f"one of {', '.join(DRAFT_METHODS)}", m),
+                (f"{key}.num_draft_tokens", isinstance(k, int) and not isinstance(k, bool) and k >= 1, "an int >= 1", k),
+                (f"{key}.model", m != "draft_model" or isinstance(s.get("model"), str),
+                 "a draft model directory (method draft_model needs `model`)", s.get("model")),
+                (f"{key}.lenience", _is_num(len_) and (len_ == 1 or (len_ > 1 and m == "prior")),
+                 "1 (exact); > 1 only with method prior (LOSSY)", len_)]
+        if m == "prior" and _is_num(len_) and len_ > 1:
+            warnings.warn(f"rollout.{key}.lenience={len_} is LOSSY: rollouts no longer follow the "
+                          f"policy's distribution exactly (SPEC-RL lenient acceptance)", stacklevel=4)
+    return out
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _type_name(tp) -> str:
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return " or ".join("null" if a is type(None) else _type_name(a) for a in args)
+    if typing.get_origin(tp) is list:
+        return f"a list of {_type_name(args[0])}"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(v, tp):
+    """v as type tp, or raise TypeError. ints pass as floats; '1e-3' too (YAML 1.1 reads it as a string)."""
+    if tp is Any:
+        return v
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        if v is None and type(None) in typing.get_args(tp):
+            return None
+        return _coerce(v, next(a for a in typing.get_args(tp) if a is not type(None)))
+    if typing.get_origin(tp) is list:
+        if not isinstance(v, list):
+            raise TypeError
+        return [_coerce(x, typing.get_args(tp)[0]) for x in v]
+    if tp is float and (_is_num(v) or isinstance(v, str)):
+        return float(v)  # a non-numeric string raises ValueError -> reported as a type error
+    if tp is int and isinstance(v, bool) or not isinstance(v, tp):
+        raise TypeError
+    return v
+
+
+def _read(path: Path, raw: dict, origin: dict, chain: tuple = ()) -> None:
+    """Merge YAML file `path` (after its `base`, if any) into raw[section][key]; origin[dotted] = file."""
+    if not path.is_file():
+        raise FileNotFoundError(f"config file {path} not found")
+    if path.resolve() in chain:
+        raise ValueError(f"{path}: `base` chain loops: {' -> '.join(map(str, chain + (path,)))}")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ValueError(f"{path}: invalid YAML: {e}") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping of sections {list(SECTIONS)}, got {type(data).__name__}")
+    if "base" in data:
+        _read(path.parent / str(data.pop("base")), raw, origin, chain + (path.resolve(),))
+    _merge(data, raw, origin, str(path))
+
+
+def _merge(d: dict, raw: dict, origin: dict, src: str, keep_origin: bool = False) -> None:
+    for sec, values in d.items():
+        values = {} if values is None else values
+        for key, v in (values.items() if isinstance(values, dict) else [(None, values)]):
+            _set(raw, origin, sec, key, v, origin.get(f"{sec}.{key}", src) if keep_origin else src)
+
+
+def _set(raw, origin, sec, key, v, src) -> None:
+    if sec not in SECTIONS:
+        raise ValueError(f"{src}: unknown section {sec!r}; expected one of {list(SECTIONS)}")
+    if key is None:
+        raise ValueError(f"{src}: section {sec!r}: expected a mapping of keys, got {v!r}")
+    names = [f.name for f in fields(SECTIONS[sec])]
+    if key not in names:
+        raise ValueError(f"{src}: unknown key {sec}.{key}; expected one of {names}")
+    raw.setdefault(sec, {})[key] = v
+    origin[f"{sec}.{key}"] = src
+
+
+def config_from_dict(d: dict, source: str = "<dict>", origin: dict | None = None) -> Config:
+    """Build and validate a Config from {section: {key: value}} (missing keys keep their defaults)."""
+    raw, origin = {}, dict(origin or {})
+    _merge(d or {}, raw, origin, source, keep_origin=True)
+    sections = {}
+    for sec, cls in SECTIONS.items():
+        hints, kw = typing.get_type_hints(cls), {}
+        for key, v in raw.get(sec, {}).items():
+            try:
+                kw[key] = _coerce(v, hints[key])
+            except (TypeError, ValueError):
+                raise ValueError(f"{origin[f'{sec}.{key}']}: {sec}.{key}: expected {_type_name(hints[key])}, "
+                                 f"got {type(v).__name__} {v!r}") from None
+        obj = sections[sec] = cls(**kw)
+        for key, ok, expected, *val in obj.rules():
+            if not ok:
+                field_name = key.split("[")[0].split(".")[0]
+                val = val[0] if val else getattr(obj, field_name)
+                raise ValueError(f"{origin.get(f'{sec}.{field_name}', source)}: {sec}.{key}: expected "
+                                 f"{expected}, got {val!r}")
+    cfg = Config(**sections)
+    for key, ok, expected in _cross_rules(cfg):
+        if not ok:
+            raise ValueError(f"{origin.get(key, source)}: {key}: expected {expected}, got "
+                             f"{getattr(getattr(cfg, key.split('.')[0]), key.split('.')[1])!r}")
+    return cfg
+
+
+def _cross_rules(cfg: Config):
+    return [("grpo.max_completion_length", cfg.model.path is not None
+             or cfg.grpo.max_completion_length < cfg.model.max_position_embeddings,
+             f"< model.max_position_embeddings ({cfg.model.max_position_embeddings}), leaving room for the prompt"),
+            ("grpo.max_completion_length", cfg.task.name != "synthetic"
+             or cfg.grpo.max_completion_length >= 4 * cfg.task.max_steps + 3,
+             f">= {4 * cfg.task.max_steps + 3}, the longest synthetic answer + eos (task.max_steps="
+             f"{cfg.task.max_steps}): truncated answers can never be right"),
+            ("model.path", cfg.task.name != "gsm8k" or cfg.model.path is not None,
+             "an HF model directory (with its tokenizer) for task gsm8k: the embedded tokenizer only "
+             "covers the synthetic task")]
+
+
+def load_config(path, overrides=()) -> Config:
+    """Config from a YAML file (with `base` inheritance) + `--section.key=value` overrides."""
+    raw, origin = {}, {}
+    _read(Path(path), raw, origin)
+    for o in overrides:
+        key, eq, value = o.removeprefix("--").partition("=")
+        sec, dot, name = key.partition(".")
+        if not (eq and dot and name and "." not in name):
+            raise ValueError(f"{path}: override {o!r}: expected --section.key=value")
+        try:
+            v = yaml.safe_load(value)
+        except yaml.YAMLError as e:
+            raise ValueError(f"{path}: override {o!r}: value is not valid YAML: {e}") from e
+        _set(raw, origin, sec, name, v, f"{path}: override {o!r}")
+    return config_from_dict(raw, str(path), origin)
+
+
+def config_to_dict(cfg: Config) -> dict:
+    return asdict(cfg)
+
+
+def save_config(cfg: Config, path) -> None:
+    """Write the resolved config (defaults filled in) as YAML, e.g. into the run directory."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(cfg.to_yaml())
+
+
+def validate_world(cfg: Config, world_size: int) -> None:
+    """Checks that need the number of ranks (known only at launch)."""
+    g = cfg.grpo
+    if world_size < 1 or g.prompts_per_step % world_size:
+        raise ValueError(f"grpo.prompts_per_step: expected a multiple of the world size ({world_size}), "
+                         f"got {g.prompts_per_step}")
+    per_rank = g.prompts_per_step // world_size * g.num_generations
+    if per_rank % g.gradient_accumulation_steps:
+        raise ValueError(f"grpo.gradient_accumulation_steps: expected a divisor of the completions per rank "
+                         f"(prompts_per_step / world_size * num_generations = {per_rank}), got "
+                         f"{g.gradient_accumulation_steps}")
+    if world_size > 1 and cfg.rollout.device.startswith("cuda") and cfg.rollout.device != "cuda":
+        raise ValueError(f"rollout.device: expected 'cuda' (one GPU per rank, chosen by LOCAL_RANK) with "
+                         f"{world_size} ranks, got {cfg.rollout.device!r}")

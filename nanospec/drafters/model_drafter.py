@@ -1,0 +1,200 @@
+"""Drafters that run a model: the 4-bit self-drafter (EfficientRollout) and a small draft model.
+
+Both own a second `Runner` over the *target's* block tables (same slots, their own cache tensor), so
+they need no block bookkeeping of their own. Invariant: drafter KV is valid for positions
+< seq.num_draft_computed; the engine clamps it to the target's num_computed after each verify (the
+rejected drafts' KV is simply overwritten later) and preemption resets it to 0.
+
+propose() for a sequence of length L with budget k:
+    forward token_ids[num_draft_computed:]   (1 token; 2 when every draft was accepted, since d_k and
+                                              the bonus were never fed; the whole tail after a recompute
+                                              or when another chain member drafted last time)
+    -> q_1, sample d_1; then k-1 one-token forwards d_j -> q_{j+1}, sample d_{j+1}.
+The cache then holds positions < L + k - 1 (d_k is never fed). q_j = sampler.probs(...) is the target's
+own temperature/top-k/top-p processing, and d_j is drawn (inverse CDF, the drafter's own generator) from
+exactly that tensor: verify's min(1, p/q) test is exact only if q is the distribution really sampled.
+
+Self-drafter: a structural copy of the policy whose decoder-layer Linears are bitsandbytes NF4
+`Linear4bit`; embeddings, norms, biases and lm_head are the policy's own Parameters (shared storage:
+a weight sync updates them for free). refresh() re-quantizes into the existing 4-bit buffers.
+bitsandbytes 0.50.2 on CPU needs three choices, each checked in tests/test_model_drafters.py:
+ * blocksize 64 (or 32) must divide in_features: quantize_4bit blocks the flattened weight, but the
+   CPU dequantize kernel assumes blocks never straddle rows and returns wrong weights otherwise;
+ * compress_statistics=False: absmax stays a plain fp32 [blocks] tensor, copyable in place and
+   exactly comparable (double quantization would nest an 8-bit absmax with its own state);
+ * support_avx512bf16_for_cpu=False: otherwise the first forward repacks the weight into a bf16-scale
+   layout (new storage, out_features % 32 required), which refresh could no longer write into.
+On CPU NF4 is a correctness path (dequantize + matmul per layer), not a speed path; see DESIGN.md.
+"""
+from __future__ import annotations
+
+import copy
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .. import sampler
+from ..loader import load_model
+from ..runner import Runner
+from ..sampler import SamplingTensors
+from ..sequence import Sequence
+from .base import Drafter, Proposal
+
+OPTIONS = {"self": {"method", "num_draft_tokens", "seed"},
+           "draft_model": {"method", "num_draft_tokens", "seed", "model"}}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+class ModelDrafter(Drafter):
+    stochastic = True
+    needs_kv = True
+
+    def __init__(self, name: str, model: nn.Module, llm, seed: int = 0, quantized: dict | None = None):
+        self.name, self.model, self.vocab_size = name, model, llm.vocab_size
+        self.runner = Runner(model, llm.blocks.num_blocks, llm.blocks.block_size)
+        self.device = self.runner.device
+        self.generator = torch.Generator().manual_seed(seed)   # draft sampling only, not verify's uniforms
+        self.quantized = quantized or {}                       # policy module name -> its Linear4bit
+        self.refresh_seconds = 0.0
+
+    @torch.inference_mode()
+    def prefill(self, seqs: list[Sequence], tokens: list[list[int]], starts: list[int]) -> None:
+        self.runner.forward(seqs, tokens, starts)
+        for s, t, a in zip(seqs, tokens, starts):
+            s.num_draft_computed = a + len(t)
+
+    @torch.inference_mode()
+    def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> Proposal:
+        B, K, V, dev = len(seqs), max(num_tokens, default=0), self.vocab_size, self.device
+        drafts: list[list[int]] = [[] for _ in seqs]
+        q = torch.zeros(B, K, V, dtype=torch.float32, device=dev)                # [B, K, V]
+        rows = [i for i in range(B) if num_tokens[i] > 0]
+        for i in rows:   # always feed >= 1 token: the last token's logits give d_1
+            seqs[i].num_draft_computed = min(seqs[i].num_draft_computed, len(seqs[i]) - 1)
+        feed = [seqs[i].token_ids[seqs[i].num_draft_computed:] for i in rows]
+        for j in range(K):   # rows whose budget is spent drop out; rows stays non-empty while j < K
+            sub = [seqs[i] for i in rows]
+            hidden = self.runner.forward(sub, feed, [s.num_draft_computed for s in sub])   # [b, Q, D]
+            last = torch.tensor([len(f) - 1 for f in feed], device=dev)
+            logits = self.model.logits(hidden[torch.arange(len(sub), device=dev), last])    # [b, V]
+            st = SamplingTensors.from_params([s.params for s in sub], V, dev)
+            p = sampler.probs(logits.unsqueeze(1), st).squeeze(1)                          # [b, V]
+            u = (1.0 - torch.rand(len(sub), generator=self.generator)).to(dev)             # (0, 1]
+            tok = torch.where(st.greedy, logits.argmax(-1), sampler.sample(p, u))
+            q[torch.tensor(rows, device=dev), j] = p   # greedy rows: verify ignores q
+            for s, f, i, t in zip(sub, feed, rows, tok.tolist()):
+                s.num_draft_computed += len(f)
+                drafts[i].append(t)
+            rows = [i for i in rows if num_tokens[i] > j + 1]
+            feed = [[drafts[i][-1]] for i in rows]
+        return Proposal(drafts, q, [self.name] * B)
+
+    @torch.no_grad()
+    def refresh(self, model: nn.Module) -> None:
+        """Re-quantize every Linear4bit from `model`'s current weights, into the same buffers."""
+        t0 = time.perf_counter()
+        for name, lin in self.quantized.items():
+            w4, qs = _quantize(model.get_submodule(name).weight, lin.weight.blocksize)
+            lin.weight.data.copy_(w4)
+            lin.weight.quant_state.absmax.copy_(qs.absmax)
+        self.refresh_seconds = time.perf_counter() - t0
+
+    @torch.no_grad()
+    def checksum_matches(self, model: nn.Module, rows: int = 16) -> bool:
+        """Is this drafter the NF4 quantization of `model`'s current weights? (drafter health)
+
+        For `rows` evenly spaced rows of every quantized layer: each block's stored fp32 absmax equals
+        the policy's block absmax exactly, and each dequantized weight is within half the widest NF4
+        code gap (x absmax, + dtype rounding) of the policy's weight. Any optimizer step moves the
+        absmax; a stale or corrupted drafter fails one of the two."""
+        import bitsandbytes.functional as bF
+        half_gap = float(bF.get_4bit_type("nf4", device="cpu").diff().max()) / 2 + 1e-2
+        for name, lin in self.quantized.items():
+            w = model.get_submodule(name).weight                                   # [N, K]
+            (N, K), bs = w.shape, lin.weight.blocksize
+            r = torch.linspace(0, N - 1, min(rows, N), device=w.device).long()
+            packed = lin.weight.data.view(torch.uint8).view(N, K // 2)[r]          # blocks are row-aligned
+            absmax = lin.weight.quant_state.absmax.view(N, K // bs)[r]             # [r, K/bs]
+            dq = torch.ops.bitsandbytes.dequantize_4bit.default(packed.reshape(-1, 1), absmax.reshape(-1), bs,
+                                                                "nf4", (len(r), K), torch.float32)
+            ref = w[r].float().view(len(r), K // bs, bs)
+            if not torch.equal(absmax, ref.abs().amax(-1)):
+                return False
+            if ((dq.view_as(ref) - ref).abs() > absmax[..., None] * half_gap).any():
+                return False
+        return True
+
+
+def _quantize(w: torch.Tensor, blocksize: int):
+    import bitsandbytes.functional as bF
+    return bF.quantize_4bit(w.detach().contiguous(), blocksize=blocksize, compress_statistics=False,
+                            quant_type="nf4")
+
+
+def _linear4bit(name: str, lin: nn.Linear) -> nn.Module:
+    from bitsandbytes.nn import Linear4bit, Params4bit
+    N, K = lin.weight.shape
+    bs = next((b for b in (64, 32) if K % b == 0), None)
+    if bs is None:
+        raise ValueError(f"speculative[self]: {name} has in_features {K}, expected a multiple of 32 "
+                         "(bitsandbytes' CPU NF4 kernel needs quantization blocks aligned to rows)")
+    q = Linear4bit(K, N, bias=lin.bias is not None, compute_dtype=lin.weight.dtype,
+                   compress_statistics=False, quant_type="nf4", device="meta")
+    w4, qs = _quantize(lin.weight, bs)
+    q.weight = Params4bit(w4, requires_grad=False, quant_state=qs, blocksize=bs, compress_statistics=False,
+                          quant_type="nf4", module=q, bnb_quantized=True)
+    q.quant_state, q.bias = qs, lin.bias          # bias: the policy's own Parameter (shared)
+    q.support_avx512bf16_for_cpu = False           # keep the canonical layout (see module docstring)
+    return q
+
+
+def quantize_policy(policy: nn.Module) -> tuple[nn.Module, dict[str, nn.Module]]:
+    """-> (NF4 copy of `policy` sharing all non-quantized Parameters, {module name: Linear4bit}).
+
+    deepcopy with every Parameter pre-seeded in the memo copies the module tree but no weights."""
+    model = copy.deepcopy(policy, memo={id(p): p for p in policy.parameters()})
+    quantized = {}
+    for name, mod in list(model.named_modules()):
+        if isinstance(mod, nn.Linear) and name.startswith("model.layers."):
+            parent, attr = name.rsplit(".", 1)
+            quantized[name] = _linear4bit(name, mod)
+            setattr(model.get_submodule(parent), attr, quantized[name])
+    return model.eval(), quantized
+
+
+def _load_draft_model(path, llm) -> nn.Module:
+    """The draft model in the target's dtype/device; it must speak the target's vocabulary."""
+    target = getattr(llm, "model_path", None) or getattr(llm.tokenizer, "name_or_path", None) or "the target"
+    model = load_model(path, dtype=next(llm.model.parameters()).dtype, device=llm.device)
+    if model.args.vocab_size != llm.vocab_size:
+        raise ValueError(f"speculative[draft_model]: draft model {path} has vocab_size {model.args.vocab_size} "
+                         f"but target {target} has {llm.vocab_size}; the two must share one vocabulary")
+    if llm.tokenizer is not None and any((Path(path) / f).is_file() for f in TOKENIZER_FILES):
+        from transformers import AutoTokenizer
+        dv, tv = AutoTokenizer.from_pretrained(str(path)).get_vocab(), llm.tokenizer.get_vocab()
+        if dv != tv:
+            diff = sorted(set(dv.items()) ^ set(tv.items()), key=str)[:4]
+            raise ValueError(f"speculative[draft_model]: tokenizer of draft model {path} differs from the "
+                             f"target's ({target}): {len(dv)} vs {len(tv)} entries, e.g. (token, id) {diff} "
+                             "are in only one of them")
+    return model
+
+
+def build_model_drafter(spec: dict, llm) -> ModelDrafter:
+    """speculative {"method": "self" | "draft_model", "num_draft_tokens": k, "model": path, "seed": s}."""
+    method = spec.get("method")
+    if method not in OPTIONS:
+        raise ValueError(f"speculative: method must be one of {sorted(OPTIONS)} here, got {method!r}")
+    unknown = set(spec) - OPTIONS[method]
+    if unknown:
+        raise ValueError(f"speculative[{method}]: unknown option(s) {sorted(unknown)}; "
+                         f"accepted: {sorted(OPTIONS[method])}")
+    seed = spec.get("seed", 0)
+    if method == "self":
+        model, quantized = quantize_policy(llm.model)
+        return ModelDrafter("self", model, llm, seed, quantized)
+    if not spec.get("model"):
+        raise ValueError("speculative[draft_model]: 'model' (path to an HF model directory) is required")
+    return ModelDrafter("draft_model", _load_draft_model(spec["model"], llm), llm, seed)

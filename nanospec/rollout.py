@@ -1,0 +1,229 @@
+"""Synchronous data-parallel GRPO rollouts, with the rollout-system policies of issue 6.
+
+Per step, every rank (same code, same global prompt list from the seeded data order):
+  1. assigns prompts to ranks with no communication (every rank computes the same answer):
+     length-aware LPT with equal counts (DAS, `policies.assign_to_ranks`) or a contiguous split;
+  2. generates its share, G samples per prompt, with `llm.add_request` + `llm.step` (not
+     `generate`: it must poll between engine steps); each sequence carries `predicted_len`, which
+     the engine's SpeculationPolicy maps to a length-class draft budget;
+  3. arrives at a non-blocking `DoneSignal` and, while slower ranks still generate, spends its bubble
+     pre-generating the *next* step's prompts with its current weights (BubbleSpec). The signal is
+     polled between engine steps, so this stops within one step of the last rank finishing; the
+     unfinished bubble sequences are aborted (KV freed) and kept: a partial response is still a
+     draft for its prefix;
+  4. one `all_gather_object` closes the step: per-rank times and engine stats (-> metrics), every
+     prompt's response lengths (every rank feeds the same observations to its LengthPredictor, so
+     the next assignment agrees everywhere) and the bubble drafts, which go into every rank's
+     prior-rollout drafter as source "bubble" -- whichever rank gets the prompt next step uses them.
+Exactness: assignment and drafts change only how many target forwards a sample takes, never what
+is sampled (speculative.verify is exact for any draft); tests/test_rollout.py checks both.
+"""
+from __future__ import annotations
+
+import time
+import types
+import warnings
+from dataclasses import dataclass
+from typing import Hashable
+
+from . import dist
+from .drafters.chain import find_drafter
+from .engine import LLM
+from .policies import LengthPredictor, assign_to_ranks, imbalance, rank_work
+from .sequence import SamplingParams
+from .tasks import Problem, format_prompt
+
+
+@dataclass
+class Sample:
+    """One completion; a GRPO group is G consecutive Samples of one prompt."""
+    problem: Problem
+    prompt_key: Hashable
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]          # engine rollout logprobs (sampler.py definition)
+    from_verify: list[bool]
+    finish_reason: str
+
+
+def assign_prompts(predicted: list[float], world_size: int, length_aware: bool) -> list[list[int]]:
+    """Prompt indices per rank, equal counts (synchronous DP): LPT on predicted work, or contiguous."""
+    n = len(predicted)
+    if world_size < 1 or n % world_size:
+        raise ValueError(f"problems: expected a multiple of world_size={world_size} prompts, got {n}")
+    if length_aware:
+        return assign_to_ranks(predicted, world_size)
+    m = n // world_size
+    return [list(range(r * m, (r + 1) * m)) for r in range(world_size)]
+
+
+def generate_until(llm: LLM, signal: dist.DoneSignal) -> int:
+    """Engine steps until the engine is empty or every rank has arrived; returns the steps run."""
+    steps = 0
+    while llm.scheduler.has_work() and not signal.done():
+        llm.step()
+        steps += 1
+    return steps
+
+
+def _plain_stats(st) -> dict:
+    """llm.stats as picklable plain dicts (it holds defaultdicts with lambdas)."""
+    out = {k: v for k, v in st.items() if k != "per_drafter"}
+    out["per_drafter"] = {n: dict(d) for n, d in st["per_drafter"].items()}
+    return out
+
+
+class RolloutWorker:
+    def __init__(self, llm: LLM, tokenizer, task, cfg, rank: int = 0, world_size: int = 1):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank: expected an int in [0, world_size={world_size}), got {rank}")
+        if world_size != dist.world_size():
+            raise ValueError(f"world_size: expected {dist.world_size()} (the initialised process group; "
+                             f"call dist.init_distributed() first), got {world_size}")
+        self.llm, self.tokenizer, self.task, self.cfg = llm, tokenizer, task, cfg
+        self.rank, self.world = rank, world_size
+        g, eos = cfg.grpo, tokenizer.eos_token_id
+        self.params = SamplingParams(temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
+                                     max_tokens=g.max_completion_length, n=g.num_generations,
+                                     stop_token_ids=[] if eos is None else [eos])
+        self.predictor = LengthPredictor()
+        self.prior = find_drafter(llm.drafter, "prior")     # where bubble drafts land
+        self.bubble = bool(cfg.policies.bubble_drafting and self.prior is not None)
+        if cfg.policies.bubble_drafting and llm.drafter is not None and self.prior is None:
+            warnings.warn("policies.bubble_drafting needs a 'prior' drafter in rollout.speculative; "
+                          "bubble drafting is off", stacklevel=2)
+        self.last_bubble: dict | None = None   # previous step's bubble totals (bubble_recovered_frac)
+        self._ids: dict[str, list[int]] = {}
+
+    def prompt_ids(self, problem: Problem) -> list[int]:
+        if problem.prompt not in self._ids:
+            self._ids[problem.prompt] = format_prompt(self.tokenizer, problem.prompt)
+        return self._ids[problem.prompt]
+
+    def _add(self, problem: Problem, predicted: float, request_id: int) -> list:
+        seqs = self.llm.add_request(self.prompt_ids(problem), self.params, request_id, problem.prompt)
+        for s in seqs:
+            s.predicted_len = predicted
+        return seqs
+
+    # ---- one step ---------------------------------------------------------------------------------
+    def run(self, step: int, problems: list[Problem], upcoming: list[Problem] = ()) -> tuple[list[Sample], dict]:
+        """This rank's samples (group-major, whole groups) + step metrics (report.py keys; lists
+        `rank_*` are over ranks; counters are summed over ranks). `upcoming`: the next step(s)' prompts."""
+        llm = self.llm
+        if llm.scheduler.has_work():
+            raise RuntimeError("RolloutWorker.run: the engine still holds requests from elsewhere")
+        if hasattr(llm.drafter, "next_step"):
+            llm.drafter.next_step()
+        pred = [self.predictor.predict(p.prompt) for p in problems]
+        assignment = assign_prompts(pred, self.world, self.cfg.policies.length_aware_assignment)
+        llm.reset_stats()
+        if llm.policy is not None:
+            llm.policy.reset_stats()
+        t0 = time.perf_counter()
+        groups = [(i, self._add(problems[i], pred[i], i)) for i in assignment[self.rank]]  # longest first
+        while llm.scheduler.has_work():
+            llm.step()
+        t_busy = time.perf_counter()
+        stats = _plain_stats(llm.stats)
+        pstats = llm.policy.stats() if llm.policy is not None else {}
+        signal = dist.DoneSignal()
+        signal.arrive()
+        drafts, t_draft = [], 0.0
+        if self.bubble and upcoming and not signal.done():
+            drafts = self._bubble(signal, upcoming)
+            t_draft = time.perf_counter() - t_busy
+        signal.wait()
+        t_done = time.perf_counter()
+        mine = dict(busy=t_busy - t0, bubble=t_done - t_busy, draft_time=t_draft, wall=t_done - t0,
+                    stats=stats, policy=pstats, drafts=drafts,
+                    lengths={i: [s.num_completion_tokens for s in seqs] for i, seqs in groups})
+        ranks = dist.all_gather_object(mine)
+        metrics = self._finish(problems, pred, assignment, ranks)
+        samples = [Sample(problems[i], problems[i].prompt, s.prompt_token_ids, s.completion_token_ids,
+                          s.logprobs, s.from_verify, s.finish_reason) for i, seqs in groups for s in seqs]
+        metrics["step"] = step
+        return samples, metrics
+
+    def _bubble(self, signal: dist.DoneSignal, upcoming: list[Problem]) -> list[tuple]:
+        """Pre-generate upcoming prompts until every rank is done -> [(prompt_key, ids, logprobs)].
+        Order: this rank's round-robin share of the upcoming prompts by decreasing predicted length
+        (long prompts set the next step's tail; ranks start on different prompts), then the rest
+        (more samples per prompt if the bubble outlasts the share). Finished bubble responses must
+        not enter the local prior cache as "prior" (they are shared as "bubble" instead), so the
+        prior drafter's observe is muted meanwhile."""
+        pred = [self.predictor.predict(p.prompt) for p in upcoming]
+        order = sorted(range(len(upcoming)), key=lambda j: (-pred[j], j))
+        share = set(order[self.rank::self.world])
+        order = [j for j in order if j in share] + [j for j in order if j not in share]
+        had_own = "observe" in vars(self.prior)
+        saved = vars(self.prior).get("observe")
+        self.prior.observe = lambda seq: None
+        try:
+            seqs = [s for j in order for s in self._add(upcoming[j], pred[j], -1 - j)]
+            generate_until(self.llm, signal)
+            for s in seqs:
+                self.llm.abort(s)          # frees KV; its partial response stays a valid draft
+        finally:
+            if had_own:
+                self.prior.observe = saved
+            else:
+                del self.prior.observe
+        return [(s.prompt_key, s.completion_token_ids, s.logprobs) for s in seqs if s.num_completion_tokens]
+
+    def _finish(self, problems, pred, assignment, ranks: list[dict]) -> dict:
+        """Merge the gathered per-rank records: drafts -> prior cache, lengths -> predictor, metrics."""
+        for r in ranks if self.prior is not None else ():
+            for key, ids, lps in r["drafts"]:
+                self.prior.add(key, ids, lps, source="bubble")
+        lengths = {i: ls for r in ranks for i, ls in r["lengths"].items()}
+        for i, p in enumerate(problems):        # same order on every rank -> identical predictors
+            self.predictor.observe(p.prompt, lengths[i])
+        merged, per = {}, {}
+        for r in ranks:
+            for k, v in r["stats"].items():
+                if k != "per_drafter":
+                    merged[k] = merged.get(k, 0) + v
+            for name, d in r["stats"]["per_drafter"].items():
+                for k, v in d.items():
+                    per.setdefault(name, {}).setdefault(k, 0)
+                    per[name][k] += v
+        merged["per_drafter"] = per
+        # LLM.summary's formulas over the rank-summed counters (it only reads .stats and .drafter)
+        m = LLM.summary(types.SimpleNamespace(stats=merged, drafter=self.llm.drafter))
+        for key in {k for r in ranks for k in r["policy"]}:     # spec_on_frac, draft_len_mean, ...
+            vals = [r["policy"][key] for r in ranks if key in r["policy"]]
+            m[key] = sum(vals) / len(vals)
+        busy, wall = [r["busy"] for r in ranks], max(r["wall"] for r in ranks)
+        work = rank_work(pred, assignment)
+        all_len = [x for ls in lengths.values() for x in ls]
+        bub_tokens = [sum(len(ids) for _, ids, _ in r["drafts"]) for r in ranks]
+        accepted = per.get("bubble", {}).get("accepted", 0)
+        m.update(rank_busy_time=busy, rank_bubble_time=[r["bubble"] for r in ranks],
+                 rank_bubble_draft_time=[r["draft_time"] for r in ranks], rank_bubble_draft_tokens=bub_tokens,
+                 rank_predicted_work=work, time_rollout=wall, tokens_per_s=merged.get("generated_tokens", 0) / max(wall, 1e-9),
+                 rollout_imbalance=imbalance(busy), predicted_imbalance=imbalance(work),
+                 bubble_draft_tokens=sum(bub_tokens), bubble_draft_accepted=accepted,
+                 bubble_draft_proposed=per.get("bubble", {}).get("proposed", 0),
+                 response_len_mean=sum(all_len) / max(len(all_len), 1), response_len_max=max(all_len, default=0))
+        # Share of the previous step's bubble turned into accepted draft tokens: the share spent
+        # drafting, times the fraction of those drafted tokens accepted now (capped at 1: one bubble
+        # token can be accepted by several samples of its group).
+        prev = self.last_bubble
+        if prev and prev["bubble_time"] > 0:
+            ratio = accepted / max(prev["tokens"], 1)
+            m["bubble_accept_ratio"] = ratio
+            m["bubble_recovered_frac"] = prev["draft_time"] / prev["bubble_time"] * min(1.0, ratio)
+        self.last_bubble = dict(tokens=sum(bub_tokens), draft_time=sum(r["draft_time"] for r in ranks),
+                                bubble_time=sum(r["bubble"] for r in ranks))
+        return m
+
+    # ---- checkpoints ------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"predictor": self.predictor.state_dict(), "last_bubble": self.last_bubble}
+
+    def load_state_dict(self, sd: dict) -> None:
+        if not isinstance(sd, dict) or "predictor" not in sd:
+            raise ValueError(f"RolloutWorker.load_state_dict: expected a dict with 'predictor', got {type(sd).__name__}")
+        self.predictor.load_state_dict(sd["predictor"])
+        self.last_bubble = sd.get("last_bubble")

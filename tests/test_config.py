@@ -1,0 +1,160 @@
+"""Config: every shipped YAML loads, overrides, YAML round trip, and each validation error's message."""
+import re
+import warnings
+from pathlib import Path
+
+import pytest
+import yaml
+
+from nanospec.config import (SECTIONS, Config, config_from_dict, config_to_dict, load_config, save_config,
+                             validate_world)
+
+CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
+DEFAULT = str(Path(__file__).resolve().parents[1] / "configs" / "default.yaml")
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_config_loads(path):
+    cfg = load_config(path)
+    assert isinstance(cfg, Config) and set(config_to_dict(cfg)) == set(SECTIONS)
+    validate_world(cfg, 1)
+
+
+def test_shipped_configs_content():
+    assert {p.name for p in CONFIGS} >= {"default.yaml", "ar.yaml", "gsm8k_qwen3.yaml"}
+    d, ar = load_config(DEFAULT), load_config(Path(DEFAULT).with_name("ar.yaml"))
+    assert [s["method"] for s in d.rollout.speculative] == ["prior", "suffix"]
+    assert d.policies.bubble_drafting and d.policies.toggle and d.policies.adaptive_draft_length
+    validate_world(d, 2)
+    assert ar.rollout.speculative is None and not (ar.policies.bubble_drafting or ar.policies.toggle
+                                                   or ar.policies.adaptive_draft_length or ar.policies.length_classes)
+    # the baseline differs only in speculation, policies and where it writes
+    da, aa = config_to_dict(d), config_to_dict(ar)
+    assert {s for s in SECTIONS if da[s] != aa[s]} == {"rollout", "policies", "run"}
+    assert da["sft"] == aa["sft"] and da["run"]["seed"] == aa["run"]["seed"]
+    q = load_config(Path(DEFAULT).with_name("gsm8k_qwen3.yaml"))
+    assert (q.task.name, q.model.path, q.rollout.device, q.rollout.dtype, q.rollout.use_cuda_graphs) == \
+        ("gsm8k", "/path/to/Qwen3-0.6B", "cuda", "bfloat16", True)
+
+
+def test_overrides_and_yaml_roundtrip(tmp_path):
+    cfg = load_config(DEFAULT, ["--grpo.num_steps=3", "rollout.speculative=[{method: ngram, num_draft_tokens: 4}]",
+                                "--sft.lr=1e-3", "--policies.draft_ladder=[2,4]", "--grpo.epsilon_high=null",
+                                "--grpo.temperature=1"])
+    assert cfg.grpo.num_steps == 3 and cfg.sft.lr == 1e-3 and cfg.policies.draft_ladder == [2, 4]
+    assert cfg.rollout.speculative == [{"method": "ngram", "num_draft_tokens": 4}] and cfg.grpo.epsilon_high is None
+    assert isinstance(cfg.grpo.temperature, float)
+    save_config(cfg, tmp_path / "run" / "config.yaml")
+    assert load_config(tmp_path / "run" / "config.yaml") == cfg
+    assert yaml.safe_load(cfg.to_yaml()) == config_to_dict(cfg)
+    assert config_from_dict({}) == Config()                 # dataclass defaults are valid too
+
+
+def _err(overrides, match, path=DEFAULT):
+    with pytest.raises(ValueError, match=match):
+        load_config(path, overrides)
+
+
+@pytest.mark.parametrize("override,expected", [
+    ("--grpo.num_generations=1", r"grpo\.num_generations: expected an int >= 2"),
+    ("--grpo.num_steps=abc", r"grpo\.num_steps: expected int, got str 'abc'"),
+    ("--grpo.num_steps=2.5", r"grpo\.num_steps: expected int, got float"),
+    ("--sft.lr=fast", r"sft\.lr: expected float"),
+    ("--run.resume=1", r"run\.resume: expected bool, got int 1"),
+    ("--model.path=3", r"model\.path: expected str or null"),
+    ("--policies.draft_ladder=3", r"policies\.draft_ladder: expected a list of int"),
+    ("--model.arch=gpt2", r"model\.arch: expected one of llama, qwen2, qwen3, got 'gpt2'"),
+    ("--model.num_kv_heads=3", r"model\.num_kv_heads: expected a divisor of num_heads \(4\), got 3"),
+    ("--model.hidden_size=250", r"model\.hidden_size: expected divisible by num_heads \(4\) unless head_dim is set, got 250"),
+    ("--task.name=mnist", r"task\.name: expected one of synthetic, gsm8k"),
+    ("--task.max_steps=30", r"task\.max_steps: expected in \[min_steps, 26\]"),
+    ("--sft.error_rate=1.5", r"sft\.error_rate: expected in \[0, 1\], got 1.5"),
+    ("--grpo.top_p=0", r"grpo\.top_p: expected in \(0, 1\]"),
+    ("--grpo.top_k=0", r"grpo\.top_k: expected -1 \(off\) or an int >= 1"),
+    ("--grpo.epsilon_high=0.1", r"grpo\.epsilon_high: expected null or >= epsilon \(0.2\)"),
+    ("--grpo.loss_type=ppo", r"grpo\.loss_type: expected one of grpo, dapo"),
+    ("--grpo.tis_cap=0.5", r"grpo\.tis_cap: expected null \(off\) or a cap >= 1"),
+    ("--grpo.tis_mode=clip", r"grpo\.tis_mode: expected one of truncate, mask"),
+    ("--grpo.learning_rate=0", r"grpo\.learning_rate: expected > 0, got 0.0"),
+    ("--rollout.block_size=12", r"rollout\.block_size: expected a power of 2, got 12"),
+    ("--rollout.dtype=int8", r"rollout\.dtype: expected one of float32"),
+    ("--rollout.device=tpu", r"rollout\.device: expected cpu, cuda or cuda:N"),
+    ("--rollout.use_cuda_graphs=true", r"rollout\.use_cuda_graphs: expected false unless device is cuda"),
+    ("--rollout.gpu_memory_utilization=1.5", r"rollout\.gpu_memory_utilization: expected in \(0, 1\]"),
+    ("--rollout.speculative=5", r"rollout\.speculative: expected null, a \{method"),
+    ("--rollout.speculative=[]", r"rollout\.speculative: expected null"),
+    ("--rollout.speculative={method: magic, num_draft_tokens: 4}", r"rollout\.speculative\.method: expected one of ngram.*got 'magic'"),
+    ("--rollout.speculative=[{method: ngram, num_draft_tokens: 4}, {method: suffix, num_draft_tokens: 0}]",
+     r"rollout\.speculative\[1\]\.num_draft_tokens: expected an int >= 1, got 0"),
+    ("--rollout.speculative=[{method: suffix}]", r"rollout\.speculative\[0\]\.num_draft_tokens: expected an int >= 1, got None"),
+    ("--rollout.speculative={method: draft_model, num_draft_tokens: 4}", r"rollout\.speculative\.model: expected a draft model directory"),
+    ("--rollout.speculative={method: suffix, num_draft_tokens: 4, lenience: 2}",
+     r"rollout\.speculative\.lenience: expected 1 \(exact\); > 1 only with method prior \(LOSSY\), got 2"),
+    ("--policies.length_class_budgets=[1,2]", r"policies\.length_class_budgets: expected len\(length_classes\) \+ 1 = 3"),
+    ("--policies.length_classes=[48,16]", r"policies\.length_classes: expected strictly increasing"),
+    ("--policies.draft_ladder=[5,3]", r"policies\.draft_ladder: expected a non-empty strictly increasing"),
+    ("--policies.ladder_down=0.95", r"policies\.ladder_down: expected in \(0, ladder_up=0.94\)"),
+    ("--run.log_every=0", r"run\.log_every: expected > 0"),
+    ("--grpo.max_completion_length=50", r"grpo\.max_completion_length: expected >= 107"),
+    ("--grpo.max_completion_length=300", r"grpo\.max_completion_length: expected < model\.max_position_embeddings"),
+    ("--grpo.nope=1", r"unknown key grpo\.nope; expected one of \['num_steps'"),
+    ("--foo.x=1", r"unknown section 'foo'"),
+    ("grpo.num_steps", r"expected --section\.key=value"),
+    ("--grpo.num_steps=[1", r"value is not valid YAML"),
+])
+def test_validation_errors_name_key_source_and_expectation(override, expected):
+    # every message names the file, the override the value came from, the dotted key and what was expected
+    _err([override], re.escape(f"{DEFAULT}: override {override!r}: ") + expected)
+
+
+def test_cross_field_error_names_the_file():
+    _err(["--task.name=gsm8k"], re.escape(DEFAULT) + r": model\.path: expected an HF model directory")
+
+
+def test_lenience_on_prior_is_allowed_but_warns_lossy():
+    with pytest.warns(UserWarning, match="LOSSY"):
+        cfg = load_config(DEFAULT, ["--rollout.speculative={method: prior, num_draft_tokens: 4, lenience: 2.0}"])
+    assert cfg.rollout.speculative["lenience"] == 2.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_config(DEFAULT)                                  # the exact default never warns
+
+
+def test_file_errors(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("grpo:\n  num_generation: 8\n")             # typo
+    _err([], re.escape(str(bad)) + r": unknown key grpo\.num_generation", bad)
+    bad.write_text("grpo:\n  num_steps: many\n")
+    _err([], re.escape(str(bad)) + r": grpo\.num_steps: expected int, got str 'many'", bad)
+    bad.write_text("- just\n- a list\n")
+    _err([], re.escape(str(bad)) + r": expected a mapping of sections", bad)
+    bad.write_text("grpo: 3\n")
+    _err([], re.escape(str(bad)) + r": section 'grpo': expected a mapping", bad)
+    bad.write_text("grpo: {num_steps: [\n")
+    _err([], re.escape(str(bad)) + r": invalid YAML", bad)
+    bad.write_text("grpo:\nsft: {steps: 0}\n")                 # an empty section keeps the defaults
+    assert load_config(bad).grpo == load_config(bad, ["--grpo.num_steps=20"]).grpo
+    with pytest.raises(FileNotFoundError, match="missing.yaml"):
+        load_config(tmp_path / "missing.yaml")
+    # inheritance: the error names the file that set the bad value, not the child
+    (tmp_path / "parent.yaml").write_text("rollout:\n  block_size: 24\n")
+    (tmp_path / "child.yaml").write_text("base: parent.yaml\ngrpo:\n  num_steps: 2\n")
+    _err([], re.escape(str(tmp_path / "parent.yaml")) + r": rollout\.block_size: expected a power of 2",
+         tmp_path / "child.yaml")
+    (tmp_path / "child.yaml").write_text("base: parent.yaml\nrollout:\n  block_size: 6\n")
+    _err([], re.escape(str(tmp_path / "child.yaml")) + r": rollout\.block_size: expected a power of 2, got 6",
+         tmp_path / "child.yaml")
+    (tmp_path / "loop.yaml").write_text("base: loop.yaml\n")
+    _err([], r"loop\.yaml: `base` chain loops", tmp_path / "loop.yaml")
+
+
+def test_validate_world():
+    cfg = load_config(DEFAULT, ["--grpo.prompts_per_step=6", "--grpo.num_generations=4",
+                                "--grpo.gradient_accumulation_steps=4"])
+    validate_world(cfg, 3)                                    # 6/3*4 = 8 completions per rank, 4 micro-batches
+    with pytest.raises(ValueError, match=r"grpo\.prompts_per_step: expected a multiple of the world size \(4\), got 6"):
+        validate_world(cfg, 4)
+    cfg = load_config(DEFAULT, ["--grpo.prompts_per_step=6", "--grpo.num_generations=3",
+                                "--grpo.gradient_accumulation_steps=4"])
+    with pytest.raises(ValueError, match=r"grpo\.gradient_accumulation_steps: expected a divisor .* = 18\), got 4"):
+        validate_world(cfg, 1)
