@@ -210,7 +210,7 @@ class RolloutWorker:
         # drafting, times the fraction of those drafted tokens accepted now (capped at 1: one bubble
         # token can be accepted by several samples of its group).
         prev = self.last_bubble
-        if prev and prev["bubble_time"] > 0:
+        if prev and prev["bubble_time"] > 0 and self.world > 1:
             ratio = accepted / max(prev["tokens"], 1)
             m["bubble_accept_ratio"] = ratio
             m["bubble_recovered_frac"] = prev["draft_time"] / prev["bubble_time"] * min(1.0, ratio)

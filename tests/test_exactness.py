@@ -282,7 +282,6 @@ def check_exact(llm, outs, dist, label):
     p, tv = chi2([tuple(o.token_ids) for o in outs], dist)
     st = llm.stats
     assert st["proposed_tokens"] > 1000 and st["accepted_tokens"] > 0, f"{label}: too few drafts {dict(st)}"
-    print(f"\nREPORT {label}: p={p:.3f} TV={tv:.4f} proposed={st['proposed_tokens']} accepted={st['accepted_tokens']}")
     assert p > 0.01, f"{label}: chi-square p={p:.2e}, TV={tv:.4f} -> not the AR distribution"
     return p, tv
 
@@ -298,7 +297,6 @@ def test_plain_sampling_matches_enumeration(v8, exact):
     for key, params in (("temp1", TEMP1), ("filtered", FILTERED)):
         llm, outs = sample_with(v8, None, params)
         p, tv = chi2([tuple(o.token_ids) for o in outs], exact[key])
-        print(f"\nREPORT AR {key}: p={p:.3f} TV={tv:.4f} cells={len(exact[key])}")
         assert p > 0.01, f"AR {key}: p={p:.2e} TV={tv:.4f}"
         assert key == "temp1" or len(exact[key]) < len(exact["temp1"])    # the filter really cut
 
@@ -372,7 +370,6 @@ def test_lenient_prior_is_not_exact_and_the_test_sees_it(v8, exact):
         llm, outs = sample_with(v8, spec, TEMP1, setup=_lenient_setup(exact["temp1"], True), n=N)
     assert llm.summary()["lossy"] is True
     p, tv = chi2([tuple(o.token_ids) for o in outs], exact["temp1"])
-    print(f"\nREPORT lenient: p={p:.3g} TV={tv:.4f}")
     assert p < 1e-6, f"lenient drafts passed the exactness test (p={p:.2e}, TV={tv:.4f}): the test has no power"
     assert tv > 0.02
 

@@ -1,0 +1,75 @@
+"""Speculative vs AR on the same prompts, GRPO-like: P prompts x G samples at temperature 1.
+
+Workload = the embedded task with the SFT model (runs/sft, made by `make train`; pass
+`--model DIR` to use another). Every variant gets a fresh engine, one untimed *history* pass over the
+same prompts (what the previous GRPO step would have left behind: prior rollouts, suffix trees), then
+a timed pass. Distinct seeds per pass, so the timed pass is new samples, not a replay. Samples
+differ between variants (same distribution, different draws), so `speedup` compares tokens/s;
+`wall_speedup` compares the batch's wall time.
+Without the SFT model the workload falls back to G samples of one repeated prompt on a random model.
+"""
+import argparse
+import time
+from pathlib import Path
+
+import torch
+
+from nanospec import LLM, SamplingParams
+
+VARIANTS = [
+    ("AR", None),
+    ("ngram", {"method": "ngram", "num_draft_tokens": 8}),
+    ("suffix", {"method": "suffix", "num_draft_tokens": 8}),
+    ("prior", {"method": "prior", "num_draft_tokens": 8}),
+    ("prior+suffix", [{"method": "prior", "num_draft_tokens": 8}, {"method": "suffix", "num_draft_tokens": 8}]),
+    ("self (nf4)", {"method": "self", "num_draft_tokens": 4}),
+]
+
+
+def workload(model_dir, num_prompts: int):
+    from nanospec.tasks import SyntheticTask, format_prompt
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    problems = SyntheticTask(seed=0).test(num_prompts)
+    return [format_prompt(tok, p.prompt) for p in problems], tok
+
+
+def run(args) -> list[dict]:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="runs/sft")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--G", type=int, default=8)
+    opts, _ = ap.parse_known_args(args.extra)
+    num_prompts = 4 if args.quick else opts.prompts
+    if Path(opts.model, "config.json").is_file():
+        prompts, tok = workload(opts.model, num_prompts)
+        model_dir, label = opts.model, "synthetic task, SFT model"
+    else:
+        print(f"spec suite: no model at {opts.model} (run `make train` first); random model, repeated prompt")
+        import tempfile
+        from benchmarks.engine import tiny_llama
+        model_dir, tok, label = tempfile.mkdtemp(), None, "random model, one repeated prompt"
+        tiny_llama(model_dir)
+        prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]] * num_prompts
+    rows, base = [], None
+    for name, spec in VARIANTS:
+        llm = LLM(model_dir, tokenizer=tok, max_num_seqs=num_prompts * opts.G, speculative=spec)
+        keys = list(range(len(prompts)))
+        sp = lambda seed: SamplingParams(temperature=1.0, max_tokens=112, n=opts.G, seed=seed)
+        llm.generate(prompts, sp(1), use_tqdm=False, prompt_keys=keys)          # history pass
+        if llm.drafter is not None and hasattr(llm.drafter, "next_step"):
+            llm.drafter.next_step()
+        llm.reset_stats()
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, sp(2), use_tqdm=False, prompt_keys=keys)
+        seconds = time.perf_counter() - t0
+        s = llm.summary()
+        tokens = sum(len(o.token_ids) for o in outs)
+        base = base or (seconds, tokens / seconds)
+        rows.append(dict(name=name, workload=label, tokens=tokens, seconds=seconds, tokens_per_s=tokens / seconds,
+                         target_forwards=s["target_forwards"],
+                         target_forwards_per_token=s["target_forwards_per_token"],
+                         mean_accepted_len=s["mean_accepted_len"] if spec else 1.0,
+                         acceptance_rate=s["acceptance_rate"] if spec else None,
+                         speedup=tokens / seconds / base[1], wall_speedup=base[0] / seconds, lossy=s["lossy"]))
+    return rows
