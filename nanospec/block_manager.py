@@ -104,6 +104,11 @@ class BlockManager:
         seq.block_table = []
         seq.num_computed = seq.num_draft_computed = 0
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix: after a weight update the stored KV is from the old policy."""
+        self.hash_to_block.clear()
+        self.block_hash = [None] * self.num_blocks
+
     def _release(self, block: int) -> None:
         self.ref_count[block] -= 1
         assert self.ref_count[block] >= 0, f"block {block} freed twice"

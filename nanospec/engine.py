@@ -315,6 +315,7 @@ class LLM:
             if params[name].shape != t.shape:
                 raise ValueError(f"load_weights: {name!r} has shape {tuple(t.shape)}, expected {tuple(params[name].shape)}")
             params[name].copy_(t)
+        self.blocks.reset_prefix_cache()    # cached prompt KV was computed with the old weights
         if self.drafter is not None:
             self.drafter.refresh(self.model)
 

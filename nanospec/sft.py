@@ -43,6 +43,19 @@ def model_args(mc, tokenizer) -> ModelArgs:
                      pad_token_id=tokenizer.pad_token_id)
 
 
+@torch.no_grad()
+def init_weights(model: CausalLM, std: float = 0.02) -> CausalLM:
+    """GPT-2 init: N(0, std) matrices, residual output projections scaled by 1/sqrt(2L), zero biases.
+    (PyTorch's defaults give N(0, 1) embeddings: with tied weights the first logits have std ~sqrt(D).)"""
+    resid = std / math.sqrt(2 * model.args.num_layers)
+    for name, p in model.named_parameters():
+        if p.dim() == 2:
+            p.normal_(0.0, resid if name.endswith(("o_proj.weight", "down_proj.weight")) else std)
+        elif name.endswith("bias"):
+            p.zero_()
+    return model
+
+
 def fingerprint(cfg, tokenizer) -> dict:
     """Everything the SFT result depends on (a change means retrain)."""
     vocab = json.dumps(sorted(tokenizer.get_vocab().items()))
@@ -84,7 +97,7 @@ def train_sft(cfg, tokenizer, log=print) -> CausalLM:
     """SFT from scratch on `cfg.sft.steps` length-bucketed batches; returns the fp32 model."""
     sc, seed = cfg.sft, cfg.run.seed
     torch.manual_seed(seed)
-    model = CausalLM(model_args(cfg.model, tokenizer))
+    model = init_weights(CausalLM(model_args(cfg.model, tokenizer)))
     if sc.steps == 0:
         return model
     task = task_from_config(cfg.task)
