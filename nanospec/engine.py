@@ -51,6 +51,7 @@ class LLM:
                  policy=None, use_cuda_graphs: bool = False, gpu_memory_utilization: float = 0.5):
         if str(device).startswith("cuda") and not torch.cuda.is_available():
             raise RuntimeError(f"device={device!r} requested but torch.cuda.is_available() is False")
+        self.model_path = None if isinstance(model, CausalLM) else str(model)
         if isinstance(model, (str, bytes)) or hasattr(model, "__fspath__"):
             if tokenizer is None and any((Path(model) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
                 from transformers import AutoTokenizer
@@ -67,6 +68,9 @@ class LLM:
         if num_kv_blocks is None and self.model.model.embed_tokens.weight.is_cuda:
             from .cuda_graphs import kv_blocks_for_memory
             num_kv_blocks = kv_blocks_for_memory(self.model, block_size, gpu_memory_utilization)
+            specs = speculative if isinstance(speculative, list) else [speculative or {}]
+            if any(s.get("method") in ("self", "draft_model") for s in specs):
+                num_kv_blocks //= 2     # a model drafter keeps a second cache over the same block ids
         num_kv_blocks = num_kv_blocks or max_num_seqs * blocks_per_seq
         self.blocks = BlockManager(num_kv_blocks, block_size, prefix_caching)
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens or

@@ -51,9 +51,9 @@ def probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     if st.needs_filter:
         sorted_x, order = x.sort(dim=-1, descending=True, stable=True)
         rank = torch.arange(x.shape[-1], device=x.device)
-        drop = rank >= st.top_k.view(-1, 1, 1)                           # top-k
         p_sorted = sorted_x.softmax(-1)
-        drop |= (p_sorted.cumsum(-1) - p_sorted) >= st.top_p.view(-1, 1, 1)  # top-p: keep the head whose mass reaches p
+        drop = ((rank >= st.top_k.view(-1, 1, 1))                                  # top-k
+                | ((p_sorted.cumsum(-1) - p_sorted) >= st.top_p.view(-1, 1, 1)))  # top-p: the head reaching mass p
         sorted_x = sorted_x.masked_fill(drop, float("-inf"))
         x = torch.empty_like(x).scatter_(-1, order, sorted_x)
     return x.softmax(-1)

@@ -53,17 +53,17 @@ def test_greedy_token_identical_to_ar(dirs, kv, n):
     specs = [self_spec(), {"method": "draft_model", "model": dirs["draft"], "num_draft_tokens": 3},
              [{"method": "ngram", "num_draft_tokens": 3}, self_spec()]]
     sp = SamplingParams(temperature=0.0, max_tokens=18)
-    for prompts in [ragged_prompts(n, n)]:
-        ar = LLM(dirs["target"], **kv).generate(prompts, sp, use_tqdm=False)
-        for spec in specs:
-            llm = LLM(dirs["target"], speculative=spec, **kv)
-            out = llm.generate(prompts, sp, use_tqdm=False)
-            assert [o.token_ids for o in out] == [o.token_ids for o in ar], spec
-            for o, a in zip(out, ar):
-                assert o.logprobs == pytest.approx(a.logprobs, abs=1e-4)
-            assert llm.stats["proposed_tokens"] > 0
-            if kv:
-                assert llm.scheduler.num_preemptions > 0
+    prompts = ragged_prompts(n, n)
+    ar = LLM(dirs["target"], **kv).generate(prompts, sp, use_tqdm=False)
+    for spec in specs:
+        llm = LLM(dirs["target"], speculative=spec, **kv)
+        out = llm.generate(prompts, sp, use_tqdm=False)
+        assert [o.token_ids for o in out] == [o.token_ids for o in ar], spec
+        for o, a in zip(out, ar):
+            assert o.logprobs == pytest.approx(a.logprobs, abs=1e-4)
+        assert llm.stats["proposed_tokens"] > 0
+        if kv:
+            assert llm.scheduler.num_preemptions > 0
 
 
 def acceptance(d, spec, prompts):

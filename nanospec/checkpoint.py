@@ -1,0 +1,160 @@
+"""Atomic, verified training checkpoints: RUN_DIR/checkpoints/step_NNNNNN/
+
+    config.json, model.safetensors, tokenizer files   the policy, HF layout (loader.save_model):
+                                                      `AutoModelForCausalLM.from_pretrained` loads it
+    trainer_state.pt                                  optimizer, scheduler, step (shared by all ranks)
+    rank{r}.pt                                        per rank: RNG states, rollout-worker and drafter state
+    COMPLETE.json                                     manifest: size + sha256 of every file above
+
+Why atomic: a run killed mid-save must never leave a directory that looks usable. Every rank
+writes into `.tmp_step_NNNNNN`, rank 0 writes the manifest last and renames the directory into
+place (one rename, atomic on POSIX). Loading re-hashes every file against the manifest, so a
+truncated or corrupted file raises a ValueError naming it instead of resuming from garbage.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .loader import save_model
+
+MANIFEST = "COMPLETE.json"
+_STEP = re.compile(r"^step_(\d+)$")
+
+
+def ckpt_root(run_dir) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def rng_state() -> dict:
+    st = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available():
+        st["cuda"] = torch.cuda.get_rng_state_all()
+    return st
+
+
+def set_rng_state(st: dict) -> None:
+    torch.set_rng_state(st["torch"])
+    random.setstate(st["python"])
+    np.random.set_state(st["numpy"])
+    if "cuda" in st and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(st["cuda"])
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def save_checkpoint(run_dir, step: int, model, tokenizer, trainer_state: dict, rank_state: dict, *,
+                    rank: int = 0, world_size: int = 1, barrier=lambda: None, keep: int = 2) -> Path:
+    """Collective (every rank calls it): writes step `step`, keeps the newest `keep` checkpoints."""
+    root = ckpt_root(run_dir)
+    tmp, final = root / f".tmp_step_{step:06d}", root / f"step_{step:06d}"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    barrier()
+    torch.save(rank_state, tmp / f"rank{rank}.pt")
+    barrier()
+    if rank == 0:
+        save_model(model, tmp, tokenizer)
+        torch.save(trainer_state, tmp / "trainer_state.pt")
+        files = {p.name: {"size": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(tmp.iterdir())}
+        manifest = {"step": step, "world_size": world_size, "files": files}
+        with open(tmp / MANIFEST, "w") as f:
+            json.dump(manifest, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        for old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+    barrier()
+    return final
+
+
+def list_checkpoints(run_dir) -> list[Path]:
+    """Complete checkpoint dirs (manifest present), oldest first. Temp dirs are never listed."""
+    root = ckpt_root(run_dir)
+    if not root.is_dir():
+        return []
+    dirs = [p for p in root.iterdir() if _STEP.match(p.name) and (p / MANIFEST).is_file()]
+    return sorted(dirs, key=lambda p: int(_STEP.match(p.name).group(1)))
+
+
+def verify_checkpoint(path) -> dict:
+    """The manifest, after checking every listed file's size and sha256; ValueError naming the file."""
+    path = Path(path)
+    mf = path / MANIFEST
+    if not mf.is_file():
+        raise ValueError(f"{path}: incomplete checkpoint (no {MANIFEST}); it was not fully written")
+    try:
+        manifest = json.loads(mf.read_text())
+        files = manifest["files"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"{mf}: corrupt manifest ({e})") from None
+    for name, want in files.items():
+        f = path / name
+        if not f.is_file():
+            raise ValueError(f"{f}: missing (listed in {MANIFEST}); checkpoint is corrupt")
+        if f.stat().st_size != want["size"]:
+            raise ValueError(f"{f}: size {f.stat().st_size} bytes, expected {want['size']} (truncated?); "
+                             f"checkpoint is corrupt")
+        if _sha256(f) != want["sha256"]:
+            raise ValueError(f"{f}: sha256 differs from {MANIFEST}; checkpoint is corrupt")
+    return manifest
+
+
+def latest_checkpoint(run_dir) -> Path | None:
+    ckpts = list_checkpoints(run_dir)
+    return ckpts[-1] if ckpts else None
+
+
+def load_checkpoint(path, rank: int = 0, world_size: int = 1) -> tuple[dict, dict]:
+    """-> (trainer_state, this rank's state), verified. Model weights: `loader.load_model(path)`."""
+    path = Path(path)
+    manifest = verify_checkpoint(path)
+    if manifest.get("world_size", world_size) != world_size:
+        raise ValueError(f"{path}: written by {manifest['world_size']} ranks, resuming with {world_size}; "
+                         f"per-rank state (RNG, drafters) cannot be remapped: use the same world size")
+    trainer_state = torch.load(path / "trainer_state.pt", weights_only=False)
+    rank_state = torch.load(path / f"rank{rank}.pt", weights_only=False)
+    return trainer_state, rank_state
+
+
+def _members(llm) -> list:
+    return getattr(llm.drafter, "drafters", [llm.drafter] if llm.drafter is not None else [])
+
+
+def engine_state(llm) -> dict:
+    """What shapes the next rollouts besides the weights: history drafters' caches (prior responses,
+    suffix tries), the speculation policy (ladder rungs, latency model) and model drafters' RNG.
+    Without it a resumed run drafts differently, which consumes the sampler's uniforms differently."""
+    drafters = [{"generator": d.generator.get_state()} if d.needs_kv else dict(vars(d)) for d in _members(llm)]
+    return {"drafters": drafters, "policy": dict(vars(llm.policy)) if llm.policy is not None else None}
+
+
+def load_engine_state(llm, state: dict) -> None:
+    members = _members(llm)
+    if len(members) != len(state["drafters"]):
+        raise ValueError(f"checkpoint has state for {len(state['drafters'])} drafters, rollout.speculative "
+                         f"configures {len(members)}: resume with the same speculative config")
+    for d, st in zip(members, state["drafters"]):
+        if d.needs_kv:
+            d.generator.set_state(st["generator"])
+        else:
+            vars(d).update(st)
+    if state["policy"] is not None and llm.policy is not None:
+        vars(llm.policy).update(state["policy"])
