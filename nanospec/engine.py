@@ -11,6 +11,7 @@ Rejected drafts are rolled back by shortening: num_computed = len - 1 and surplu
 """
 from __future__ import annotations
 
+import copy
 import time
 import warnings
 from collections import defaultdict
@@ -57,7 +58,9 @@ class LLM:
                 from transformers import AutoTokenizer
                 tokenizer = AutoTokenizer.from_pretrained(str(model))
             model = load_model(model, dtype=dtype, device=device)
-        self.model = model.to(resolve_dtype(dtype)).eval() if dtype else model.eval()
+        if dtype and model.model.embed_tokens.weight.dtype != resolve_dtype(dtype):
+            model = copy.deepcopy(model).to(resolve_dtype(dtype))   # never convert the caller's module
+        self.model = model.eval()
         self.tokenizer = tokenizer
         a = model.args
         self.vocab_size = a.vocab_size
@@ -147,6 +150,9 @@ class LLM:
         params = sampling_params or SamplingParams()
         if isinstance(prompts, (str,)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        for i, p in enumerate(prompts):     # validate every request before queueing any
+            params.validate(f"request {i}: SamplingParams")
+            self._tokenize(p, i)
         seqs = []
         for i, p in enumerate(prompts):
             seqs += self.add_request(p, params, i, None if prompt_keys is None else prompt_keys[i])
@@ -233,8 +239,17 @@ class LLM:
         draft = torch.tensor([d + [0] * (K - len(d)) for d in proposal.tokens], dtype=torch.long,
                              device=self.device).view(B, K)
         num_draft = torch.tensor([len(d) for d in proposal.tokens], device=self.device)
-        u = torch.stack([1.0 - torch.rand(K1, generator=s.generator or self.generator) for s in seqs])
-        u = u.to(self.device)
+        # each row draws exactly len(draft)+1 uniforms, so a seeded request's stream does not depend
+        # on the draft lengths of its batch-mates. Rows sharing a generator draw in one call (the CPU
+        # generator is serial: one call of n == n calls in row order, bit for bit).
+        u, groups = torch.ones(B * K1), {}
+        for i, s in enumerate(seqs):
+            g = s.generator or self.generator
+            groups.setdefault(id(g), (g, []))[1].append(i)
+        for g, rows in groups.values():
+            idx = [i * K1 + j for i in rows for j in (*range(len(proposal.tokens[i])), K)]
+            u[idx] = 1.0 - torch.rand(len(idx), generator=g)
+        u = u.view(B, K1).to(self.device)
         q = proposal.q[:, :K].to(self.device) if proposal.q is not None else None
         lq = proposal.lenient_q[:, :K].to(self.device) if proposal.lenient_q is not None else None
         n, toks, lps = speculative.verify(logits, draft, num_draft, st, u[:, :K], u[:, K], q, lq)

@@ -25,6 +25,7 @@ class SamplingTensors:
     top_k: torch.Tensor         # [B] long, vocab size when off
     top_p: torch.Tensor         # [B] float
     needs_filter: bool          # any row with top-k/top-p active (skips the sort otherwise)
+    all_greedy: bool = False    # every row T = 0 (verify then needs argmax only)
 
     @classmethod
     def from_params(cls, params: list[SamplingParams], vocab_size: int, device) -> "SamplingTensors":
@@ -32,7 +33,8 @@ class SamplingTensors:
             temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
             top_k=torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p in params], device=device),
             top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
-            needs_filter=any(p.top_k > 0 or p.top_p < 1.0 for p in params))
+            needs_filter=any(p.top_k > 0 or p.top_p < 1.0 for p in params),
+            all_greedy=all(p.temperature == 0 for p in params))
 
     @property
     def greedy(self) -> torch.Tensor:
@@ -51,9 +53,11 @@ def probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     if st.needs_filter:
         sorted_x, order = x.sort(dim=-1, descending=True, stable=True)
         rank = torch.arange(x.shape[-1], device=x.device)
+        # top-k first, then top-p over the renormalised survivors (the HF / vLLM order)
+        sorted_x = sorted_x.masked_fill(rank >= st.top_k.view(-1, 1, 1), float("-inf"))
         p_sorted = sorted_x.softmax(-1)
-        drop = ((rank >= st.top_k.view(-1, 1, 1))                                  # top-k
-                | ((p_sorted.cumsum(-1) - p_sorted) >= st.top_p.view(-1, 1, 1)))  # top-p: the head reaching mass p
+        head_mass = p_sorted.cumsum(-1) - p_sorted       # mass of the tokens ranked above this one
+        drop = (head_mass >= st.top_p.view(-1, 1, 1)) & (st.top_p < 1).view(-1, 1, 1)
         sorted_x = sorted_x.masked_fill(drop, float("-inf"))
         x = torch.empty_like(x).scatter_(-1, order, sorted_x)
     return x.softmax(-1)

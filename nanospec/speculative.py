@@ -38,13 +38,17 @@ def verify(logits: torch.Tensor, draft: torch.Tensor, num_draft: torch.Tensor, s
     """
     B, K1, V = logits.shape
     K = K1 - 1
+    if st.all_greedy:
+        return verify_greedy(logits, draft, num_draft, st)
     p = sampler.probs(logits, st)                                          # [B, K+1, V]
     rows = torch.arange(B, device=logits.device)
     if K > 0:
         p_d = p[:, :K].gather(-1, draft.unsqueeze(-1)).squeeze(-1)         # [B, K]  p_j(d_j)
         q_d = torch.ones_like(p_d) if q is None else q.gather(-1, draft.unsqueeze(-1)).squeeze(-1)
+        # LOSSY positions carry p_old/l < 1; the drafter fills 1.0 where it has no p_old (exact there)
+        lenient = lenient_q < 1 if lenient_q is not None else torch.zeros_like(p_d, dtype=torch.bool)
         if lenient_q is not None:
-            q_d = lenient_q
+            q_d = torch.where(lenient, lenient_q, q_d)
         accept = u_accept * q_d < p_d                                      # u < p/q, no division
         greedy_ok = draft == logits[:, :K].argmax(-1)
         accept = torch.where(st.greedy.unsqueeze(-1), greedy_ok, accept)
@@ -54,11 +58,12 @@ def verify(logits: torch.Tensor, draft: torch.Tensor, num_draft: torch.Tensor, s
         n = torch.zeros(B, dtype=torch.long, device=logits.device)
     p_n = p[rows, n]                                                       # [B, V]
     rejected = n < num_draft
-    if K > 0 and lenient_q is None:
+    if K > 0:
         j = n.clamp(max=K - 1)
         q_n = F.one_hot(draft[rows, j], V).to(p.dtype) if q is None else q[rows, j]
         residual = (p_n - q_n).clamp_(min=0)
         ok = rejected & (residual.sum(-1) > 0)     # sum 0 only if p == q, where rejection has prob 0
+        ok &= ~lenient[rows, j]                    # LOSSY rule resamples from p after a rejection
         p_n = torch.where(ok.unsqueeze(-1), residual, p_n)
     final = sampler.sample(p_n, u_final)
     final = torch.where(st.greedy, logits[rows, n].argmax(-1), final)
@@ -66,3 +71,17 @@ def verify(logits: torch.Tensor, draft: torch.Tensor, num_draft: torch.Tensor, s
     tokens[rows, n] = final
     logprobs = sampler.token_logprobs(logits, st.temperature, tokens)
     return n, tokens, logprobs
+
+
+def verify_greedy(logits, draft, num_draft, st: SamplingTensors):
+    """verify() when every row is greedy: accept while d_j == argmax, emit the argmax. The same
+    tokens as the general path's greedy rows, without softmax / sort / inverse-CDF sampling."""
+    B, K1, _ = logits.shape
+    K = K1 - 1
+    top = logits.argmax(-1)                                                # [B, K+1]
+    accept = (draft == top[:, :K]) & (torch.arange(K, device=logits.device) < num_draft.unsqueeze(-1))
+    n = accept.long().cumprod(-1).sum(-1)                                  # [B] leading accepts
+    rows = torch.arange(B, device=logits.device)
+    tokens = F.pad(draft, (0, 1))
+    tokens[rows, n] = top[rows, n]
+    return n, tokens, sampler.token_logprobs(logits, st.temperature, tokens)

@@ -11,9 +11,8 @@ import shutil
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
-from conftest import ARCHS, make_hf_model
+from conftest import ARCHS
 from nanospec import sampler
 from nanospec.engine import LLM
 from nanospec.loader import load_model, save_model
@@ -25,12 +24,21 @@ ATOL = 1e-4
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models: one intra-op thread is faster, and does not spin against other jobs on 2 cores."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def ragged_prompts(n, vocab=64, seed=0, lo=1, hi=15):
     rng = random.Random(seed)
     return [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
-def run_requests(llm, reqs, abort_after=None):
+def run_requests(llm, reqs):
     """Add (prompt, params) requests one by one (own params each), step until done -> outputs."""
     seqs = [s for i, (p, sp) in enumerate(reqs) for s in llm.add_request(p, sp, i)]
     while llm.scheduler.has_work():
@@ -123,9 +131,11 @@ def test_paged_attention_equals_dense(models, arch):
 
     check([(0, a) for a, _, _ in cuts], "prefill chunk 1")
     check([(a, c) for a, c, _ in cuts], "prefill chunk 2")
-    # a rejected draft window first writes garbage K/V at [c, c+k+1): it must never be read later
+    # a rejected draft window first writes garbage K/V at [c, c+k+1): a shorter window then leaves
+    # stale keys beyond its queries (they must be masked), the full one overwrites them
     garbage = [[(x * 7 + 1) % 64 for x in t[c:c + k + 1]] for t, (_, c, k) in zip(full, cuts)]
     runner.forward(seqs, garbage, [c for _, c, _ in cuts])
+    check([(c, c + 1) for _, c, _ in cuts], "decode over stale draft K/V")
     check([(c, c + k + 1) for _, c, k in cuts], "verify window at an offset")
     # and the null block absorbed the padding rows: the pool's real blocks outside the tables are zero
     used = {b for s in seqs for b in s.block_table}
@@ -195,6 +205,57 @@ def test_preemption_leaves_outputs_unchanged(models, arch):
     # seeded sampled requests do not depend on the batch they ran in either
     alone = run_requests(LLM(models[arch], block_size=4, max_model_len=64), reqs[1:2])
     assert alone[0].token_ids == ref[1].token_ids
+
+
+def test_preemption_with_shared_prefix_blocks(models):
+    """n=4 groups share prompt blocks; preempting one sibling must not free or corrupt the others'."""
+    prompts = ragged_prompts(3, seed=21, lo=9, hi=13)
+    params = SamplingParams(temperature=0.0, max_tokens=16, n=4)
+    ref = LLM(models["qwen2"], block_size=4, max_model_len=64).generate(prompts, params, use_tqdm=False)
+    llm = LLM(models["qwen2"], block_size=4, max_model_len=64, num_kv_blocks=24)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.scheduler.num_preemptions > 0
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    assert llm.num_free_blocks == 24 and all(c == 0 for c in llm.blocks.ref_count)
+
+
+def test_requests_arriving_mid_rollout(models):
+    """Continuous batching: a request added while others decode gets the same tokens as alone."""
+    model = models["llama"]
+    prompts = ragged_prompts(4, seed=13, lo=2, hi=12)
+    alone = [LLM(model, block_size=4, max_model_len=64).generate([p], GREEDY, use_tqdm=False)[0].token_ids
+             for p in prompts]
+    llm = LLM(model, block_size=4, max_model_len=64)
+    seqs = []
+    for p in prompts:
+        seqs += llm.add_request(p, GREEDY, len(seqs))
+        for _ in range(3):
+            llm.step()
+    while llm.scheduler.has_work():
+        llm.step()
+    assert [s.completion_token_ids for s in seqs] == alone
+
+
+def test_load_weights_in_place_and_no_stale_prefix_cache(models, tiny_models):
+    """After a weight sync, a prompt seen before must not reuse KV computed with the old weights."""
+    model = load_model(tiny_models["llama"][0])
+    new = {k: v + 0.05 * torch.randn(v.shape, generator=torch.Generator().manual_seed(1))
+           for k, v in model.state_dict().items()}
+    prompt = ragged_prompts(1, seed=4, lo=13, hi=13)[0]
+    llm = LLM(model, block_size=4, max_model_len=64)
+    before = llm.generate([prompt], GREEDY, use_tqdm=False)[0].token_ids
+    ptr = model.model.layers[0].self_attn.o_proj.weight.data_ptr()
+    llm.load_weights(new)
+    assert model.model.layers[0].self_attn.o_proj.weight.data_ptr() == ptr
+    after = llm.generate([prompt], GREEDY, use_tqdm=False)[0].token_ids
+    fresh = load_model(tiny_models["llama"][0])
+    fresh.load_state_dict(new)
+    want = LLM(fresh, block_size=4, max_model_len=64).generate([prompt], GREEDY, use_tqdm=False)[0].token_ids
+    assert after == want and want != before
+    with pytest.raises(ValueError, match="unexpected tensor 'nope'"):
+        llm.load_weights({"nope": torch.zeros(1)})
+    with pytest.raises(ValueError, match=r"model\.norm\.weight.*shape"):
+        llm.load_weights({"model.norm.weight": torch.zeros(3)})
 
 
 def test_kv_pool_too_small_for_one_sequence_is_a_clear_error(models):
@@ -443,6 +504,9 @@ def test_stop_tokens_and_max_tokens(models):
         assert got.token_ids == o.token_ids and got.finish_reason == "length"
         got = llm.generate([p], SamplingParams(temperature=0.0, max_tokens=7), use_tqdm=False)[0]
         assert got.token_ids == o.token_ids[:7] and got.finish_reason == "length"
+        got = llm.generate([p], SamplingParams(temperature=0.0, stop_token_ids=[o.token_ids[0]]),
+                           use_tqdm=False)[0]                    # the very first (prefill) token stops
+        assert got.token_ids == o.token_ids[:1] and got.finish_reason == "stop"
     # the model's eos (config) stops too
     eos = ref[0].token_ids[3]
     model.args.eos_token_id = eos
