@@ -1,7 +1,7 @@
 """Small torch.distributed helpers: one process per rank (torchrun, or mp.spawn in tests).
 
-Everything degrades to a single process when no process group is initialised (world size 1), so
-the trainer and the rollout worker have one code path. gloo on CPU, nccl on GPU.
+Without an initialised process group everything acts as world size 1, so the trainer and the
+rollout worker keep one code path. gloo on CPU, nccl on GPU.
 """
 from __future__ import annotations
 
@@ -24,13 +24,9 @@ def world_size() -> int:
     return dist.get_world_size() if is_dist() else 1
 
 
-def local_world_size() -> int:
-    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size()))
-
-
 def init_distributed(backend: str | None = None, timeout_s: float = 1800.0) -> tuple[int, int]:
-    """Init the default group from torchrun's env (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) if
-    WORLD_SIZE > 1; returns (rank, world_size). nccl also pins this process to GPU LOCAL_RANK."""
+    """Init the default group from torchrun's env (RANK, WORLD_SIZE, MASTER_ADDR/PORT) when
+    WORLD_SIZE > 1 -> (rank, world_size). nccl also pins this process to GPU LOCAL_RANK."""
     if int(os.environ.get("WORLD_SIZE", 1)) > 1 and not is_dist():
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         if backend == "nccl":
@@ -40,14 +36,14 @@ def init_distributed(backend: str | None = None, timeout_s: float = 1800.0) -> t
 
 
 def set_threads_per_rank() -> int:
-    """Split the cores between the ranks on this host, so ranks do not steal each other's cores."""
-    n = max(1, (os.cpu_count() or 1) // max(1, local_world_size()))
+    """Split this host's cores between its ranks, so ranks do not steal each other's cores."""
+    n = max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world_size())))
     torch.set_num_threads(n)
     return n
 
 
 def all_gather_object(obj) -> list:
-    """[obj of rank 0, obj of rank 1, ...] (picklable objects); [obj] without a process group."""
+    """[obj of rank 0, obj of rank 1, ...] for picklable objects; [obj] without a process group."""
     if not is_dist():
         return [obj]
     out = [None] * world_size()
@@ -66,34 +62,41 @@ def cleanup() -> None:
 
 
 class DoneSignal:
-    """Non-blocking 'every rank has arrived' flag: a rank that finishes early keeps working (bubble
-    drafting) and polls `done()` between engine steps instead of blocking in a barrier.
+    """Non-blocking 'every rank has arrived': an early rank keeps working (bubble drafting) and polls
+    `done()` between engine steps instead of blocking in a barrier.
 
-    `arrive()` issues an async all-reduce; it can only complete once every rank has issued it, so
-    `work.is_completed()` (supported by gloo and nccl) turns True right after the last rank arrives.
-    No other collective may be issued between `arrive()` and `wait()` (collectives are ordered).
+    A counter in the process group's key-value store (torchrun's TCPStore; any backend): `arrive()`
+    adds 1 and so learns whether this rank came *last* -- then it must start no extra work, everyone
+    waits for it -- and the last one sets a flag key that `done()` checks (one small TCP round trip)
+    and `wait()` blocks on. (An async all-reduce polled with `work.is_completed()` works on gloo too,
+    but cannot tell the last rank that it is last: the straggler would start a bubble step first.)
+    Ranks must create their signals in the same order: the n-th signal of every rank shares key n.
     """
+    _created = 0
 
     def __init__(self):
-        self.work = self._flag = None
-        self.arrived = False
+        DoneSignal._created += 1
+        self.key = f"nanospec/done/{DoneSignal._created}"
+        self.arrived = self.last = False
+        self.store = None
 
     def arrive(self) -> None:
         if self.arrived:
             raise RuntimeError("DoneSignal.arrive() called twice")
         self.arrived = True
-        if is_dist():
-            dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-            self._flag = torch.ones(1, device=dev)       # kept alive until the collective completes
-            self.work = dist.all_reduce(self._flag, async_op=True)
+        if not is_dist():
+            self.last = True
+            return
+        self.store = dist.distributed_c10d._get_default_store()
+        self.last = self.store.add(self.key, 1) == world_size()
+        if self.last:
+            self.store.set(self.key + "/all", "1")
 
     def done(self) -> bool:
         if not self.arrived:
             raise RuntimeError("DoneSignal.done() before arrive()")
-        return self.work is None or self.work.is_completed()
+        return self.last or self.store.check([self.key + "/all"])
 
     def wait(self) -> None:
-        if not self.arrived:
-            raise RuntimeError("DoneSignal.wait() before arrive()")
-        if self.work is not None:
-            self.work.wait()
+        if not self.done():
+            self.store.wait([self.key + "/all"])

@@ -8,9 +8,10 @@ Per step, every rank (same code, same global prompt list from the seeded data or
      the engine's SpeculationPolicy maps to a length-class draft budget;
   3. arrives at a non-blocking `DoneSignal` and, while slower ranks still generate, spends its bubble
      pre-generating the *next* step's prompts with its current weights (BubbleSpec). The signal is
-     polled between engine steps, so this stops within one step of the last rank finishing; the
-     unfinished bubble sequences are aborted (KV freed) and kept: a partial response is still a
-     draft for its prefix;
+     polled between engine steps, so this stops within one (deliberately small-batch) step of the
+     last rank finishing, and the last rank knows it is last and starts nothing; the unfinished
+     bubble sequences are aborted (KV freed) and kept: a partial response is still a draft for its
+     prefix;
   4. one `all_gather_object` closes the step: per-rank times and engine stats (-> metrics), every
      prompt's response lengths (every rank feeds the same observations to its LengthPredictor, so
      the next assignment agrees everywhere) and the bubble drafts, which go into every rank's
@@ -23,6 +24,7 @@ from __future__ import annotations
 import time
 import types
 import warnings
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Hashable
 
@@ -57,10 +59,14 @@ def assign_prompts(predicted: list[float], world_size: int, length_aware: bool) 
     return [list(range(r * m, (r + 1) * m)) for r in range(world_size)]
 
 
-def generate_until(llm: LLM, signal: dist.DoneSignal) -> int:
-    """Engine steps until the engine is empty or every rank has arrived; returns the steps run."""
+def generate_until(llm: LLM, signal: dist.DoneSignal, refill=lambda: None) -> int:
+    """Engine steps until every rank has arrived or the engine runs dry (`refill()` may add requests
+    before each step); returns the steps run."""
     steps = 0
-    while llm.scheduler.has_work() and not signal.done():
+    while not signal.done():
+        refill()
+        if not llm.scheduler.has_work():
+            break
         llm.step()
         steps += 1
     return steps
@@ -92,6 +98,11 @@ class RolloutWorker:
         if cfg.policies.bubble_drafting and llm.drafter is not None and self.prior is None:
             warnings.warn("policies.bubble_drafting needs a 'prior' drafter in rollout.speculative; "
                           "bubble drafting is off", stacklevel=2)
+        seeds = dist.all_gather_object(llm.generator.initial_seed())
+        if len(set(seeds)) < len(seeds):     # identical engine RNGs would correlate samples across ranks
+            warnings.warn(f"RolloutWorker: ranks share engine seeds {seeds}; reseeding each rank r with "
+                          f"seed * world_size + r (build the LLM with seed=base_seed + rank)", stacklevel=2)
+            llm.generator.manual_seed(seeds[rank] * world_size + rank)
         self.last_bubble: dict | None = None   # previous step's bubble totals (bubble_recovered_frac)
         self._ids: dict[str, list[int]] = {}
 
@@ -139,7 +150,7 @@ class RolloutWorker:
                     stats=stats, policy=pstats, drafts=drafts,
                     lengths={i: [s.num_completion_tokens for s in seqs] for i, seqs in groups})
         ranks = dist.all_gather_object(mine)
-        metrics = self._finish(problems, pred, assignment, ranks)
+        metrics = self._finish(problems, pred, assignment, ranks, time.perf_counter() - t0)
         samples = [Sample(problems[i], problems[i].prompt, s.prompt_token_ids, s.completion_token_ids,
                           s.logprobs, s.from_verify, s.finish_reason) for i, seqs in groups for s in seqs]
         metrics["step"] = step
@@ -149,19 +160,26 @@ class RolloutWorker:
         """Pre-generate upcoming prompts until every rank is done -> [(prompt_key, ids, logprobs)].
         Order: this rank's round-robin share of the upcoming prompts by decreasing predicted length
         (long prompts set the next step's tail; ranks start on different prompts), then the rest
-        (more samples per prompt if the bubble outlasts the share). Finished bubble responses must
-        not enter the local prior cache as "prior" (they are shared as "bubble" instead), so the
-        prior drafter's observe is muted meanwhile."""
+        (more samples per prompt if the bubble outlasts the share). At most `cap` bubble sequences run
+        at once: a bubble step must stay short, since the last rank waits for the one in flight when
+        it finishes. Finished bubble responses must not enter the local prior cache as "prior" (they
+        are shared as "bubble" instead), so the prior drafter's observe is muted meanwhile."""
         pred = [self.predictor.predict(p.prompt) for p in upcoming]
         order = sorted(range(len(upcoming)), key=lambda j: (-pred[j], j))
         share = set(order[self.rank::self.world])
         order = [j for j in order if j in share] + [j for j in order if j not in share]
+        pending, seqs = order[::-1], []
+        cap = max(self.params.n, self.llm.scheduler.max_num_seqs // 4)
+
+        def refill():   # admit groups while fewer than `cap` bubble sequences run
+            while pending and sum(not s.is_finished for s in seqs) + self.params.n <= cap:
+                j = pending.pop()
+                seqs.extend(self._add(upcoming[j], pred[j], -1 - j))
         had_own = "observe" in vars(self.prior)
         saved = vars(self.prior).get("observe")
         self.prior.observe = lambda seq: None
         try:
-            seqs = [s for j in order for s in self._add(upcoming[j], pred[j], -1 - j)]
-            generate_until(self.llm, signal)
+            generate_until(self.llm, signal, refill)
             for s in seqs:
                 self.llm.abort(s)          # frees KV; its partial response stays a valid draft
         finally:
@@ -171,22 +189,27 @@ class RolloutWorker:
                 del self.prior.observe
         return [(s.prompt_key, s.completion_token_ids, s.logprobs) for s in seqs if s.num_completion_tokens]
 
-    def _finish(self, problems, pred, assignment, ranks: list[dict]) -> dict:
-        """Merge the gathered per-rank records: drafts -> prior cache, lengths -> predictor, metrics."""
+    def _finish(self, problems, pred, assignment, ranks: list[dict], elapsed: float) -> dict:
+        """Merge the gathered per-rank records: drafts -> prior cache, lengths -> predictor, metrics.
+        time_rollout = this rank's time from its first request to the end of the closing gather: all
+        ranks leave the gather together, so it is the step's rollout wall time (slowest rank + the
+        bubble step in flight when it finished + the gather)."""
         for r in ranks if self.prior is not None else ():
             for key, ids, lps in r["drafts"]:
                 self.prior.add(key, ids, lps, source="bubble")
         lengths = {i: ls for r in ranks for i, ls in r["lengths"].items()}
         for i, p in enumerate(problems):        # same order on every rank -> identical predictors
             self.predictor.observe(p.prompt, lengths[i])
-        merged, per = {}, {}
+        merged, per = defaultdict(int), defaultdict(lambda: defaultdict(int))
+        for k in ("target_forwards", "seq_forwards", "generated_tokens", "prefill_tokens", "verify_steps",
+                  "proposed_tokens", "accepted_tokens"):
+            merged[k] += 0                      # present (as 0) even in a step without drafts
         for r in ranks:
             for k, v in r["stats"].items():
                 if k != "per_drafter":
-                    merged[k] = merged.get(k, 0) + v
+                    merged[k] += v
             for name, d in r["stats"]["per_drafter"].items():
                 for k, v in d.items():
-                    per.setdefault(name, {}).setdefault(k, 0)
                     per[name][k] += v
         merged["per_drafter"] = per
         # LLM.summary's formulas over the rank-summed counters (it only reads .stats and .drafter)
@@ -194,17 +217,17 @@ class RolloutWorker:
         for key in {k for r in ranks for k in r["policy"]}:     # spec_on_frac, draft_len_mean, ...
             vals = [r["policy"][key] for r in ranks if key in r["policy"]]
             m[key] = sum(vals) / len(vals)
-        busy, wall = [r["busy"] for r in ranks], max(r["wall"] for r in ranks)
+        busy, wall = [r["busy"] for r in ranks], max(elapsed, *(r["wall"] for r in ranks))
         work = rank_work(pred, assignment)
         all_len = [x for ls in lengths.values() for x in ls]
         bub_tokens = [sum(len(ids) for _, ids, _ in r["drafts"]) for r in ranks]
-        accepted = per.get("bubble", {}).get("accepted", 0)
+        accepted = per["bubble"]["accepted"] if "bubble" in per else 0
         m.update(rank_busy_time=busy, rank_bubble_time=[r["bubble"] for r in ranks],
                  rank_bubble_draft_time=[r["draft_time"] for r in ranks], rank_bubble_draft_tokens=bub_tokens,
                  rank_predicted_work=work, time_rollout=wall, tokens_per_s=merged.get("generated_tokens", 0) / max(wall, 1e-9),
                  rollout_imbalance=imbalance(busy), predicted_imbalance=imbalance(work),
                  bubble_draft_tokens=sum(bub_tokens), bubble_draft_accepted=accepted,
-                 bubble_draft_proposed=per.get("bubble", {}).get("proposed", 0),
+                 bubble_draft_proposed=per["bubble"]["proposed"] if "bubble" in per else 0,
                  response_len_mean=sum(all_len) / max(len(all_len), 1), response_len_max=max(all_len, default=0))
         # Share of the previous step's bubble turned into accepted draft tokens: the share spent
         # drafting, times the fraction of those drafted tokens accepted now (capped at 1: one bubble

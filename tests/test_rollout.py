@@ -7,6 +7,8 @@ import os
 import pickle
 import socket
 import time
+import traceback
+import warnings
 from collections import Counter
 
 import numpy as np
@@ -18,7 +20,6 @@ from conftest import make_hf_model
 from nanospec import dist, rollout
 from nanospec.config import Config, GRPOConfig, PoliciesConfig
 from nanospec.engine import LLM
-from nanospec.loader import load_model
 from nanospec.policies import assign_to_ranks, build_policy, imbalance, rank_work
 from nanospec.rollout import RolloutWorker, assign_prompts, generate_until
 from nanospec.sequence import SamplingParams
@@ -35,7 +36,8 @@ def greedy_cfg(**policies):
 
 
 def problems(n=16):
-    return SyntheticTask(seed=0).train(n)
+    """n distinct prompts (the Zipf task repeats short ones), so per-prompt predictions stay distinct."""
+    return list({p.prompt: p for p in SyntheticTask(seed=0).train(8 * n)}.values())[:n]
 
 
 def make_llm(model_dir, tok, seed=0, spec=SPEC, cfg=None):
@@ -89,19 +91,22 @@ def test_greedy_all_policies_identical_to_ar(model_dir, tok, reference):
     probs = problems(8)
     cfg = greedy_cfg()
     w = RolloutWorker(make_llm(model_dir, tok, cfg=cfg), tok, None, cfg)
-    proposed = 0
+    proposed = prior_accepted = 0
     for step, batch in enumerate([probs[0:4], probs[2:6], probs[2:6]]):
+        order = assign_prompts([w.predictor.predict(p.prompt) for p in batch], 1, True)[0]
         samples, m = w.run(step, batch, probs[4:8])
         check_greedy(samples, reference, f"step {step}")
-        assert [s.prompt_key for s in samples[::G]] == [p.prompt for p in batch]    # whole groups, in order
+        assert [s.prompt_key for s in samples[::G]] == [batch[i].prompt for i in order]   # whole groups, LPT order
         assert m["rank_busy_time"][0] > 0 and m["step"] == step and 0 <= m["spec_on_frac"] <= 1
         proposed += m["proposed_tokens"]
+        prior_accepted += m.get("drafter/prior/accepted", 0)
         assert not w.llm.scheduler.has_work() and w.llm.num_free_blocks == w.llm.blocks.num_blocks
-    assert proposed > 0 and m["drafter/prior/accepted"] > 0
-    sd = w.state_dict()
+    assert proposed > 0 and prior_accepted > 0
     w2 = RolloutWorker(w.llm, tok, None, cfg)
-    w2.load_state_dict(sd)
+    w2.load_state_dict(w.state_dict())
     assert w2.predictor.predict(probs[2].prompt) == w.predictor.predict(probs[2].prompt) == MAX_TOKENS
+    with pytest.raises(ValueError, match="world_size"):
+        RolloutWorker(w.llm, tok, None, cfg, rank=0, world_size=2)        # no process group
 
 
 class FakeSignal:
@@ -150,6 +155,7 @@ def test_bubble_drafts_are_exact_chi_square(tmp_path):
     pre = RolloutWorker(llm, tok, None, Config(grpo=GRPOConfig(num_generations=16, max_completion_length=4)))
     drafts = pre._bubble(FakeSignal(2), [problem])                # prefill + 1 decode step, then abort
     assert len(drafts) == 16 and not llm.scheduler.has_work() and llm.num_free_blocks == 20_000
+    assert any(len(ids) < 4 and ids[-1] != tok.eos_token_id for _, ids, _ in drafts), "no partial draft kept"
     assert not w.prior._cache, "bubble responses leaked into the prior cache as 'prior'"
     llm.load_weights(true)
     for key, ids, lps in drafts:
@@ -182,6 +188,8 @@ def _signal_case(rank, model_dir, tok):
         llm.add_request([1, 5, 7, 8, 6], SamplingParams(temperature=0.0, max_tokens=240, ignore_eos=True, n=16))
         log = []
         _timed_steps(llm, log)
+    dist.barrier()
+    if rank == 0:
         sig.arrive()
         out["n"] = generate_until(llm, sig)
         out.update(t_exit=time.time(), steps=log, busy_at_exit=llm.scheduler.has_work())
@@ -198,9 +206,18 @@ def _worker_case(rank, model_dir, tok):
     llm = make_llm(model_dir, tok, seed=rank, cfg=cfg)
     w = RolloutWorker(llm, tok, None, cfg, rank, 2)
     probs, log, arrivals = problems(), [], []
-    if rank == 1:                                   # the straggler: every engine step 15 ms slower
-        step = llm.step
-        llm.step = lambda: (time.sleep(0.015), step())[1]
+    if rank == 1:           # the straggler, deterministically: its last engine step ends 0.2 s after rank 0 arrived
+        step_fn = llm.step
+
+        def last_step_late():
+            out = step_fn()
+            if not llm.scheduler.has_work():
+                store, key = torch.distributed.distributed_c10d._get_default_store(), f"nanospec/done/{dist.DoneSignal._created + 1}"
+                while store.add(key, 0) < 1:
+                    time.sleep(0.002)
+                time.sleep(0.2)
+            return out
+        llm.step = last_step_late
     _timed_steps(llm, log)
     arrive, until, exits = dist.DoneSignal.arrive, rollout.generate_until, []
     dist.DoneSignal.arrive = lambda self: (arrivals.append(time.time()), arrive(self))[1]
@@ -212,21 +229,32 @@ def _worker_case(rank, model_dir, tok):
     for p, L in zip(probs[8:16], LONG_TAIL):      # identical observations on both ranks
         for _ in range(4):
             w.predictor.observe(p.prompt, [L])
+    pred = [w.predictor.predict(p.prompt) for p in probs[8:16]]
     samples, m = w.run(2, probs[8:16], [])
-    res.append(dict(samples=[(s.prompt_key, s.completion_ids, s.logprobs) for s in samples], m=m))
-    return dict(res=res, steps=log, arrivals=arrivals, bubble_exits=exits, free=llm.num_free_blocks == llm.blocks.num_blocks)
+    res.append(dict(samples=[(s.prompt_key, s.completion_ids, s.logprobs) for s in samples], m=m, pred=pred))
+    with warnings.catch_warnings(record=True) as rec:      # both ranks seed 7: must be told and reseeded
+        warnings.simplefilter("always")
+        shared = make_llm(model_dir, tok, seed=7, spec=None)
+        RolloutWorker(shared, tok, None, cfg, rank, 2)
+    reseed = ([str(r.message) for r in rec], shared.generator.initial_seed())
+    return dict(res=res, steps=log, arrivals=arrivals, bubble_exits=exits, reseed=reseed, free=llm.num_free_blocks == llm.blocks.num_blocks)
 
 
 def _rank_main(rank, port, model_dir, out_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")
     torch.set_num_threads(1)
-    dist.init_distributed(timeout_s=90)
-    tok = build_tokenizer()
-    res = {"signal": _signal_case(rank, model_dir, tok), "worker": _worker_case(rank, model_dir, tok)}
-    with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
-        pickle.dump(res, f)
-    dist.cleanup()
+    try:
+        dist.init_distributed(timeout_s=90)
+        tok = build_tokenizer()
+        res = {"signal": _signal_case(rank, model_dir, tok), "worker": _worker_case(rank, model_dir, tok)}
+        with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
+            pickle.dump(res, f)
+        dist.cleanup()
+    except BaseException:
+        with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
 
 
 @pytest.fixture(scope="module")
@@ -244,7 +272,8 @@ def world2(model_dir, tmp_path_factory):
     for p in procs:
         if p.is_alive():
             p.kill()
-    assert [p.exitcode for p in procs] == [0, 0], "a rank failed or hung (deadlock?)"
+    errs = "".join(f.read_text() for f in sorted(out.glob("*.err")))
+    assert [p.exitcode for p in procs] == [0, 0], f"a rank failed or hung (deadlock?)\n{errs}"
     return [pickle.load(open(out / f"rank{r}.pkl", "rb")) for r in range(2)]
 
 
@@ -262,15 +291,17 @@ def test_empty_rank_bubble_stops_within_one_engine_step(world2):
 def test_world2_greedy_identical_assignment_and_bubble(world2, reference):
     w0, w1 = (w["worker"] for w in world2)
     assert w0["free"] and w1["free"], "KV blocks leaked (bubble sequences not aborted?)"
+    assert all(any("share engine seeds" in m for m in w["reseed"][0]) for w in (w0, w1))
+    assert w0["reseed"][1] != w1["reseed"][1]
     probs = problems()
     for step, (a, b) in enumerate(zip(w0["res"], w1["res"])):
         keys = [k for k, _, _ in a["samples"]] + [k for k, _, _ in b["samples"]]
         batch = [probs[0:4], probs[4:8], probs[8:16]][step]
-        assert Counter(keys) == Counter({p.prompt: G for p in batch}), f"step {step}: not each prompt once"
+        assert Counter(keys) == Counter(p.prompt for p in batch for _ in range(G)), f"step {step}: not each prompt once"
         for key, ids, lps in a["samples"] + b["samples"]:
             assert ids == reference[key][0], f"step {step}: world-2 output differs from world-1 AR"
             np.testing.assert_allclose(lps, reference[key][1], atol=1e-4)
-        for k in ("rank_busy_time", "rank_predicted_work", "bubble_draft_tokens", "time_rollout"):
+        for k in ("rank_busy_time", "rank_predicted_work", "bubble_draft_tokens", "proposed_tokens"):
             assert a["m"][k] == b["m"][k], f"step {step}: ranks disagree on {k}"
     m0, m1, m2 = (r["m"] for r in w0["res"])
     # rank 0 is fast: its bubble pre-generated the next prompts, which rank 0 and 1 used next step
@@ -284,9 +315,11 @@ def test_world2_greedy_identical_assignment_and_bubble(world2, reference):
         assert len([a for a, _ in w0["steps"] if t < a <= t_exit]) <= 1
         assert t_exit - t < longest + 0.05
     # step 3: long-tailed predictions -> LPT assignment, better balanced than contiguous
-    lpt = assign_to_ranks([float(x) for x in LONG_TAIL], 2)
-    assert m2["rank_predicted_work"] == rank_work(LONG_TAIL, lpt)
-    assert m2["predicted_imbalance"] < imbalance(rank_work(LONG_TAIL, [[0, 1, 2, 3], [4, 5, 6, 7]]))
+    pred = w0["res"][2]["pred"]
+    assert pred == w1["res"][2]["pred"], "ranks' length predictors diverged"
+    lpt = assign_to_ranks(pred, 2)
+    assert m2["rank_predicted_work"] == rank_work(pred, lpt)
+    assert m2["predicted_imbalance"] < imbalance(rank_work(pred, [[0, 1, 2, 3], [4, 5, 6, 7]])) - 0.3
     for r, w in enumerate((w0, w1)):
         got = {k for k, _, _ in w["res"][2]["samples"]}
         assert got == {probs[8 + i].prompt for i in lpt[r]}
