@@ -1,5 +1,8 @@
 """HF directory <-> CausalLM: config.json + (sharded) safetensors in, the same layout out.
 
+Files hold HF names (q_proj, k_proj, ...); the model fuses q|k|v and gate|up (model.py), so loading
+concatenates and saving splits (`from_hf` / `to_hf`). Errors always name the HF key.
+
 Errors name the file and key, because a wrong checkpoint directory is the most common first bug.
 """
 from __future__ import annotations
@@ -56,9 +59,55 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     return state
 
 
+# our fused module -> the HF modules it concatenates, in row order (model.Attention / model.MLP)
+FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+         "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+
+
+def _split_sizes(args: ModelArgs, fused: str) -> list[int]:
+    if fused == "self_attn.qkv_proj":
+        return [args.num_heads * args.head_dim] + [args.num_kv_heads * args.head_dim] * 2
+    return [args.intermediate_size] * 2
+
+
+def _fused_parts(name: str):
+    """'model.layers.3.self_attn.qkv_proj.weight' -> ('model.layers.3.', fused, HF parts, '.weight') or None."""
+    for fused, parts in FUSED.items():
+        pre, hit, post = name.partition(f".{fused}.")
+        if hit:
+            return pre + ".", fused, parts, "." + post
+    return None
+
+
+def to_hf(state: dict, args: ModelArgs) -> dict:
+    """Our names -> HF names: split the fused projections (views, no copy)."""
+    out = {}
+    for name, t in state.items():
+        f = _fused_parts(name)
+        if f is None:
+            out[name] = t
+            continue
+        pre, fused, parts, post = f
+        for part, piece in zip(parts, t.split(_split_sizes(args, fused), 0)):
+            out[pre + part + post] = piece
+    return out
+
+
+def from_hf(state: dict, args: ModelArgs) -> dict:
+    """HF names -> ours: concatenate q|k|v and gate|up (call check_state_dict first: it names bad keys)."""
+    out = dict(state)
+    for name in [n for n in state if _fused_parts(n) is None]:
+        for fused, parts in FUSED.items():
+            pre, hit, post = name.partition(f".{parts[0]}.")
+            if hit:
+                keys = [f"{pre}.{p}.{post}" for p in parts]
+                out[f"{pre}.{fused}.{post}"] = torch.cat([out.pop(k) for k in keys], 0)
+    return out
+
+
 def check_state_dict(model: torch.nn.Module, state: dict, where: str) -> None:
-    """Every parameter present with the right shape (tied lm_head may be absent)."""
-    expected = model.state_dict()
+    """Every parameter present (HF names) with the right shape (tied lm_head may be absent)."""
+    expected = to_hf(model.state_dict(), model.args)
     for name, t in expected.items():
         if name not in state:
             if name == "lm_head.weight" and model.args.tie_word_embeddings:
@@ -81,6 +130,7 @@ def load_model(path: str | Path, dtype="float32", device="cpu") -> CausalLM:
     model = model.to_empty(device=device)
     if args.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
+    state = from_hf({k: v for k, v in state.items() if "rotary_emb" not in k}, args)
     model.load_state_dict(state, strict=False)
     return model.to(resolve_dtype(dtype)).eval()
 
@@ -89,7 +139,8 @@ def save_model(model: CausalLM, path: str | Path, tokenizer=None) -> None:
     """Write config.json + model.safetensors (+ tokenizer): loadable by AutoModelForCausalLM."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in model.state_dict().items()}
+    state = {k: v.detach().to("cpu", torch.float32).contiguous()
+             for k, v in to_hf(model.state_dict(), model.args).items()}
     if model.args.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     tmp = path / "model.safetensors.tmp"

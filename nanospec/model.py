@@ -1,7 +1,9 @@
 """A small decoder for HF Llama / Qwen2 / Qwen3 checkpoints, with attention over a paged KV cache.
 
-Module names mirror transformers' (`model.layers.0.self_attn.q_proj.weight`, ...) so HF state dicts
-load and save without renaming. Differences between the families are three flags:
+Module names mirror transformers' (`model.layers.0.self_attn.o_proj.weight`, ...) except two fused
+projections, as in vLLM: `qkv_proj` = [q_proj; k_proj; v_proj] and `gate_up_proj` = [gate_proj; up_proj]
+(fewer, larger matmuls); loader.py concatenates / splits them so HF directories load and save as
+before. Differences between the families are three flags:
     Llama : RMSNorm, RoPE, GQA, SiLU-gated MLP           (attention_bias usually False)
     Qwen2 : Llama + bias on q/k/v                         (attention_bias=True)
     Qwen3 : Llama + RMSNorm on each head of q and k       (qk_norm=True, explicit head_dim)
@@ -99,6 +101,40 @@ class PagedKV:
     key_slots: torch.Tensor      # [B, C]  slot of key position j of each sequence (j < C)
 
 
+class Linear(nn.Linear):
+    """nn.Linear that, for CPU float32 inference, multiplies by a oneDNN-prepacked copy of its weight.
+
+    Why: decode steps are small-M matmuls ([B*(k+1), D] x [D, N]) where the BLAS call re-packs the
+    whole weight every time; oneDNN's prepacked blocked layout (what torch.compile/inductor uses on CPU)
+    skips that and picks AVX-512 kernels: ~1.5-2x on the engine benchmark's matmuls. Same math, different
+    summation order: |diff| ~1e-7 relative. Training (grad enabled), GPU and other dtypes use F.linear.
+    The copy is rebuilt when the weight changes: the key (data_ptr, _version) moves on any in-place
+    write (LLM.load_weights, optimizer steps) or storage swap.
+    """
+    def forward(self, x):
+        w = self.weight
+        if not PACK or torch.is_grad_enabled() or not x.is_cpu or w.dtype != torch.float32 or x.dtype != w.dtype:
+            return F.linear(x, w, self.bias)
+        pack = self.__dict__.get("_pack")
+        key = (w.data_ptr(), w._version)
+        if pack is None or pack.key != key:
+            pack = self.__dict__["_pack"] = _Packed(key, w, torch.ops.mkldnn._reorder_linear_weight(w.detach(), 64))
+        return torch.ops.mkldnn._linear_pointwise(x, pack.weight, self.bias, "none", [], "")
+
+
+class _Packed:
+    """A packed weight + the key it was built for (keeps the source alive so data_ptr is not reused).
+    deepcopy (quantize_policy) gives an empty slot: oneDNN's opaque tensors cannot be copied."""
+    def __init__(self, key, source, weight):
+        self.key, self.source, self.weight = key, source, weight
+
+    def __deepcopy__(self, memo):
+        return None
+
+
+PACK = torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -106,70 +142,111 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
+        if x.dtype == self.weight.dtype == torch.float32:   # one fused kernel, bitwise the same as below
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
 
-def rope_cos_sin(positions, head_dim: int, theta: float):
-    """cos, sin [B, 1, Q, hd] for HF's rotate-half RoPE; computed once per forward, shared by layers."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim)
-    freqs = positions[:, None, :, None].float() * inv_freq                  # [B, 1, Q, hd/2]
-    emb = torch.cat([freqs, freqs], -1)
-    return emb.cos(), emb.sin()
+def rope_table(n: int, head_dim: int, theta: float, device) -> torch.Tensor:
+    """[n, 2, hd]: cos and sin' of positions 0..n-1 for HF's rotate-half RoPE (same float ops as HF).
+
+    rotate_half(x) * sin == roll(x, hd/2) * sin' with sin' = [-sin, sin] (a sign flip: exact), so one
+    elementwise pass x * cos + roll(x) * sin' rotates q and k together (see `rope`)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim)
+    freqs = torch.arange(n, device=device).float()[:, None] * inv_freq               # [n, hd/2]
+    cos, sin = freqs.cos(), freqs.sin()
+    return torch.stack([torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)], 1)
 
 
 def rope(x, cos, sin):
-    """x: [B, H, Q, hd] rotated by position: x * cos + rotate_half(x) * sin."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return (x.float() * cos + torch.cat([-x2, x1], -1).float() * sin).to(x.dtype)
+    """x: [..., hd] rotated by position: x * cos + rotate_half(x) * sin (sin already sign-flipped)."""
+    if x.dtype != torch.float32:
+        return (x.float() * cos + x.float().roll(x.shape[-1] // 2, -1) * sin).to(x.dtype)
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
+
+
+def attention_mask(positions, C: int, fused_shape: tuple | None, dtype=torch.float32):
+    """Key j is visible to a query at position p iff j <= p: causal within the new tokens, the whole
+    cached prefix. Padded queries (position 0) see key 0 only: finite, ignored.
+    -> bool [B, 1, Q, C] for SDPA, or (fused_shape = (n_kv, groups)) an additive 0/-inf bias laid out
+    like the fused decode scores [n_kv * B, groups * Q, C], built once and shared by every layer."""
+    keep = torch.arange(C, device=positions.device) <= positions[:, :, None]              # [B, Q, C]
+    if fused_shape is None:
+        return keep.unsqueeze(1)
+    Hkv, G = fused_shape
+    B, Q = positions.shape
+    bias = torch.zeros(B, Q, C, dtype=dtype, device=positions.device).masked_fill_(~keep, float("-inf"))
+    return bias[None, :, None].expand(Hkv, B, G, Q, C).reshape(Hkv * B, G * Q, C)
+
+
+# Decode / verify steps on CPU (Q new tokens per sequence, Q <= this) run attention as two batched
+# matmuls over the gathered keys instead of SDPA: for a handful of queries SDPA's flash kernel costs
+# ~3x more than the math here (fixed per-call overhead). Prefill and GPU keep SDPA (memory-efficient).
+SMALL_Q = 16
 
 
 class Attention(nn.Module):
     def __init__(self, a: ModelArgs, layer: int):
         super().__init__()
         self.layer, self.a = layer, a
-        self.q_proj = nn.Linear(a.hidden_size, a.num_heads * a.head_dim, bias=a.attention_bias)
-        self.k_proj = nn.Linear(a.hidden_size, a.num_kv_heads * a.head_dim, bias=a.attention_bias)
-        self.v_proj = nn.Linear(a.hidden_size, a.num_kv_heads * a.head_dim, bias=a.attention_bias)
-        self.o_proj = nn.Linear(a.num_heads * a.head_dim, a.hidden_size, bias=False)
+        if a.num_heads % a.num_kv_heads:
+            raise ValueError(f"num_heads {a.num_heads} must be a multiple of num_kv_heads {a.num_kv_heads}")
+        # fused q|k|v projection (as vLLM's qkv_proj): one matmul; loader.py maps HF's q/k/v_proj
+        self.qkv_proj = Linear(a.hidden_size, (a.num_heads + 2 * a.num_kv_heads) * a.head_dim,
+                                  bias=a.attention_bias)
+        self.o_proj = Linear(a.num_heads * a.head_dim, a.hidden_size, bias=False)
         if a.qk_norm:
             self.q_norm = RMSNorm(a.head_dim, a.rms_norm_eps)
             self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps)
 
-    def forward(self, x, rotary, mask, kv: PagedKV | None):
-        B, Q, _ = x.shape
+    def forward(self, x, B: int, rotary, mask, paged):
+        """x [N = B * Q, D] -> [N, D]. paged: None (plain causal attention) or CausalLM.forward's tuple
+        (head-major caches [L, 2 Hkv, S, hd], new-token slots [N], key slots [B * C], C)."""
         a = self.a
-        q = self.q_proj(x).view(B, Q, a.num_heads, a.head_dim)
-        k = self.k_proj(x).view(B, Q, a.num_kv_heads, a.head_dim)
-        v = self.v_proj(x).view(B, Q, a.num_kv_heads, a.head_dim)
+        N, Hq, Hkv, hd = x.shape[0], a.num_heads, a.num_kv_heads, a.head_dim
+        G, Q = Hq // Hkv, x.shape[0] // B
+        qkv = self.qkv_proj(x)                                                # [N, (Hq + 2 Hkv) hd]
         if a.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = rope(q.transpose(1, 2), *rotary)                                 # [B, Hq, Q, hd]
-        k = rope(k.transpose(1, 2), *rotary).transpose(1, 2)                 # [B, Q, Hkv, hd]
-        if kv is None:  # training / reference: causal attention over the input itself
-            out = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2),
-                                                 is_causal=True, enable_gqa=True)
+            q, k, v = qkv.split([Hq * hd, Hkv * hd, Hkv * hd], -1)
+            q, k = self.q_norm(q.view(N, Hq, hd)), self.k_norm(k.view(N, Hkv, hd))
+            qkv = torch.cat([q.view(N, -1), k.view(N, -1), v], -1)
+        # RoPE on q and k in one pass: the row as G + 2 chunks of Hkv heads (q, then k, then v: cos 1, sin 0)
+        qkv = rope(qkv.view(N, G + 2, Hkv, hd), *rotary)                      # [N, G+2, Hkv, hd]
+        q = qkv[:, :G].reshape(B, Q, Hq, hd)                                  # head h = kv head h // G
+        if paged is None:  # training / reference: causal attention over the input itself
+            k, v = qkv[:, G].view(B, Q, Hkv, hd), qkv[:, G + 1].view(B, Q, Hkv, hd)
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                 is_causal=True, enable_gqa=True).transpose(1, 2)
+            return self.o_proj(out.reshape(N, Hq * hd))
+        caches, slots, key_slots, C = paged
+        cache = caches[self.layer]                                            # [2 Hkv, S, hd]: k heads, v heads
+        cache.index_copy_(1, slots, qkv[:, G:].reshape(N, 2 * Hkv, hd).transpose(0, 1))
+        kvs = cache.index_select(1, key_slots).view(2, Hkv, B, C, hd)         # one gather, K and V
+        if mask.dtype != torch.bool:    # fused small-Q path: batch (kv head, seq), rows (group, query)
+            qb = q.view(B, Q, Hkv, G, hd).permute(2, 0, 3, 1, 4).reshape(Hkv * B, G * Q, hd)
+            keys, vals = kvs[0].view(Hkv * B, C, hd), kvs[1].view(Hkv * B, C, hd)
+            scores = torch.baddbmm(mask, qb, keys.transpose(1, 2), alpha=hd ** -0.5)   # [Hkv B, G Q, C]
+            out = torch.bmm(scores.softmax(-1), vals)                                 # [Hkv B, G Q, hd]
+            out = out.view(Hkv, B, G, Q, hd).permute(1, 3, 0, 2, 4)                   # [B, Q, Hkv, G, hd]
         else:
-            k_cache, v_cache = kv.cache[self.layer]                          # [S, Hkv, hd] each
-            k_cache.index_copy_(0, kv.slot_mapping.flatten(), k.reshape(B * Q, a.num_kv_heads, a.head_dim))
-            v_cache.index_copy_(0, kv.slot_mapping.flatten(), v.reshape(B * Q, a.num_kv_heads, a.head_dim))
-            keys = k_cache[kv.key_slots].transpose(1, 2)                     # [B, Hkv, C, hd]
-            vals = v_cache[kv.key_slots].transpose(1, 2)
-            out = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, enable_gqa=True)
-        return self.o_proj(out.transpose(1, 2).reshape(B, Q, a.num_heads * a.head_dim))
+            keys, vals = kvs[0].transpose(0, 1), kvs[1].transpose(0, 1)              # [B, Hkv, C, hd]
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, vals, attn_mask=mask,
+                                                 enable_gqa=True).transpose(1, 2)
+        return self.o_proj(out.reshape(N, Hq * hd))
 
 
 class MLP(nn.Module):
     def __init__(self, a: ModelArgs):
         super().__init__()
-        self.gate_proj = nn.Linear(a.hidden_size, a.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(a.hidden_size, a.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=False)
+        self.gate_up_proj = Linear(a.hidden_size, 2 * a.intermediate_size, bias=False)  # gate | up
+        self.down_proj = Linear(a.intermediate_size, a.hidden_size, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, -1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -180,8 +257,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
 
-    def forward(self, x, rotary, mask, kv):
-        x = x + self.self_attn(self.input_layernorm(x), rotary, mask, kv)
+    def forward(self, x, B, rotary, mask, paged):
+        x = x + self.self_attn(self.input_layernorm(x), B, rotary, mask, paged)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -198,32 +275,56 @@ class CausalLM(nn.Module):
         super().__init__()
         self.args = args
         self.model = Body(args)
-        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids, positions=None, kv: PagedKV | None = None):
         """input_ids, positions: [B, Q] -> final hidden states [B, Q, D] (call `logits` on what you need)."""
+        a = self.args
+        B, Q = input_ids.shape
         if positions is None:
-            positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-        x = self.model.embed_tokens(input_ids)
-        rotary = rope_cos_sin(positions, self.args.head_dim, self.args.rope_theta)
-        mask = None
+            positions = torch.arange(Q, device=input_ids.device).expand_as(input_ids)
+        x = self.model.embed_tokens(input_ids.reshape(-1))                       # [N, D], N = B * Q
+        rotary = self.rotary(positions)
+        mask = paged = None
         if kv is not None:
-            # a query at position p sees keys 0..p of its own sequence: causal within the new tokens,
-            # the whole cached prefix. Padded queries (position 0) see key 0 only: finite, ignored.
             C = kv.key_slots.shape[1]
-            mask = (torch.arange(C, device=x.device) <= positions[:, :, None]).unsqueeze(1)  # [B, 1, Q, C]
+            small = Q <= SMALL_Q and x.device.type == "cpu"
+            mask = attention_mask(positions, C, (a.num_kv_heads, a.num_heads // a.num_kv_heads) if small else None,
+                                  x.dtype)
+            caches = kv.cache.permute(0, 1, 3, 2, 4)                             # [L, 2, Hkv, S, hd]
+            if not caches.is_contiguous():   # flatten would copy and the layers' writes would be lost
+                raise ValueError("PagedKV.cache must be laid out by CausalLM.new_kv_cache (head-major storage)")
+            paged = (caches.flatten(1, 2), kv.slot_mapping.flatten(), kv.key_slots.flatten(), C)
         for layer in self.model.layers:
-            x = layer(x, rotary, mask, kv)
-        return self.model.norm(x)
+            x = layer(x, B, rotary, mask, paged)
+        return self.model.norm(x).view(B, Q, -1)
+
+    def rotary(self, positions):
+        """cos, sin' [N, G + 2, 1, hd] for the fused qkv row (chunks: G of q heads, k, v: cos 1, sin 0),
+        looked up in a table built once per device (`rope_table`)."""
+        a, dev = self.args, positions.device
+        n = max(a.max_position_embeddings, positions.shape[1])   # kv=None may run past it, like HF
+        table = self.__dict__.get("_rope")
+        if table is None or table.device != dev or table.shape[0] < n:
+            table = self.__dict__["_rope"] = rope_table(n, a.head_dim, a.rope_theta, dev)
+        cs = table.index_select(0, positions.reshape(-1))                       # [N, 2, hd]
+        G, N = a.num_heads // a.num_kv_heads, cs.shape[0]
+        c = torch.ones(N, G + 2, 1, a.head_dim, device=dev)
+        s = torch.zeros(N, G + 2, 1, a.head_dim, device=dev)
+        c[:, :-1, 0], s[:, :-1, 0] = cs[:, None, 0], cs[:, None, 1]
+        return c, s
 
     def logits(self, hidden):
         return self.lm_head(hidden).float()
 
     def new_kv_cache(self, num_blocks: int, block_size: int, dtype=None, device=None) -> torch.Tensor:
-        """[L, 2, (num_blocks + 1) * block_size, n_kv, hd]; the extra block is the null block."""
+        """[L, 2, (num_blocks + 1) * block_size, n_kv, hd]; the extra block is the null block.
+
+        Indexed by slot like that, but stored head-major ([L, 2, n_kv, slots, hd] permuted): gathering a
+        sequence's keys then yields [n_kv, B, C, hd] blocks that batched matmuls read without a copy."""
         a = self.args
         p = self.model.embed_tokens.weight
-        return torch.zeros(a.num_layers, 2, (num_blocks + 1) * block_size, a.num_kv_heads, a.head_dim,
-                           dtype=dtype or p.dtype, device=device or p.device)
+        return torch.zeros(a.num_layers, 2, a.num_kv_heads, (num_blocks + 1) * block_size, a.head_dim,
+                           dtype=dtype or p.dtype, device=device or p.device).transpose(2, 3)

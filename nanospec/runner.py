@@ -24,22 +24,20 @@ class Runner:
 
     def prepare(self, seqs: list[Sequence], tokens: list[list[int]], starts: list[int]):
         """-> input_ids [B, Q], positions [B, Q], PagedKV with slot_mapping [B, Q], key_slots [B, C]."""
-        bs, dev = self.block_size, self.device
-        B, Q = len(seqs), max(len(t) for t in tokens)
-        lens = torch.tensor([len(t) for t in tokens], device=dev)
-        start = torch.tensor(starts, device=dev)
-        input_ids = torch.tensor([t + [0] * (Q - len(t)) for t in tokens], device=dev)
+        bs, dev, null = self.block_size, self.device, self.null_block
+        Q = max(map(len, tokens))
         nb = max(len(s.block_table) for s in seqs)
-        table = torch.tensor([s.block_table + [self.null_block] * (nb - len(s.block_table)) for s in seqs],
-                             device=dev)                                        # [B, nb]
-        q_idx = torch.arange(Q, device=dev)
-        valid = q_idx < lens[:, None]                                           # [B, Q]
-        positions = torch.where(valid, start[:, None] + q_idx, 0)
-        C = int((start + lens).max())
-        key_pos = torch.arange(C, device=dev).expand(B, C)
-        null_slot = self.null_block * bs
-        slot_mapping = torch.where(valid, self.slots(table, positions), null_slot)
-        return input_ids, positions, PagedKV(self.cache, slot_mapping, self.slots(table, key_pos))
+        C = max(a + len(t) for a, t in zip(starts, tokens))
+        rows = []   # built on the host (a decode step is a few hundred ints): ids | positions | slots | table
+        for s, t, a in zip(seqs, tokens, starts):
+            bt, pad = s.block_table, Q - len(t)
+            pos = range(a, a + len(t))
+            rows.append(t + [0] * pad + [*pos] + [0] * pad + [bt[p // bs] * bs + p % bs for p in pos]
+                        + [null * bs] * pad + bt + [null] * (nb - len(bt)))
+        host = torch.tensor(rows, device=dev)                                    # one H2D copy
+        input_ids, positions, slot_mapping, table = host.split([Q, Q, Q, nb], 1)
+        key_slots = (table[:, :, None] * bs + torch.arange(bs, device=dev)).flatten(1)[:, :C]  # key j -> slot
+        return input_ids, positions, PagedKV(self.cache, slot_mapping, key_slots)
 
     def slots(self, table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         bs = self.block_size

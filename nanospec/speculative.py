@@ -78,6 +78,9 @@ def verify_greedy(logits, draft, num_draft, st: SamplingTensors):
     tokens as the general path's greedy rows, without softmax / sort / inverse-CDF sampling."""
     B, K1, _ = logits.shape
     K = K1 - 1
+    if K == 0:   # plain greedy decode: token = argmax, logprob = its logit - logsumexp (T = 0 -> T = 1)
+        top_logit, top = logits.float().max(-1)                            # [B, 1]; first max, as argmax
+        return torch.zeros(B, dtype=torch.long, device=logits.device), top, top_logit - logits.float().logsumexp(-1)
     top = logits.argmax(-1)                                                # [B, K+1]
     accept = (draft == top[:, :K]) & (torch.arange(K, device=logits.device) < num_draft.unsqueeze(-1))
     n = accept.long().cumprod(-1).sum(-1)                                  # [B] leading accepts
