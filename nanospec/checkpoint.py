@@ -14,8 +14,10 @@ truncated or corrupted file raises a ValueError naming it instead of resuming fr
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
+import pickle
 import random
 import re
 import shutil
@@ -138,12 +140,54 @@ def _members(llm) -> list:
     return getattr(llm.drafter, "drafters", [llm.drafter] if llm.drafter is not None else [])
 
 
+def flat_dumps(obj) -> bytes:
+    """pickle without deep recursion: instances of nanospec classes with __slots__ (suffix-trie nodes,
+    prior-cache entries) are stored one at a time in a table and referenced by index, so a linked
+    structure of any depth costs no stack (plain pickle recurses once per node and overflows)."""
+    table, index = [], {}
+
+    class Flat(pickle.Pickler):
+        def persistent_id(self, o):
+            if type(o).__module__.startswith("nanospec") and "__slots__" in vars(type(o)):
+                if id(o) not in index:
+                    index[id(o)] = len(table)
+                    table.append(o)
+                return index[id(o)]
+            return None
+
+    def dump(x) -> bytes:
+        buf = io.BytesIO()
+        Flat(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(x)
+        return buf.getvalue()
+
+    root, states = dump(obj), []
+    while len(states) < len(table):   # dumping a state may append more objects to the table
+        o = table[len(states)]
+        states.append(dump({k: getattr(o, k) for k in type(o).__slots__ if hasattr(o, k)}))
+    return pickle.dumps((root, [type(o) for o in table], states))
+
+
+def flat_loads(data: bytes):
+    root, classes, states = pickle.loads(data)
+    objs = [cls.__new__(cls) for cls in classes]
+
+    class Flat(pickle.Unpickler):
+        def persistent_load(self, pid):
+            return objs[pid]
+
+    for o, st in zip(objs, states):
+        for k, v in Flat(io.BytesIO(st)).load().items():
+            setattr(o, k, v)
+    return Flat(io.BytesIO(root)).load()
+
+
 def engine_state(llm) -> dict:
     """What shapes the next rollouts besides the weights: history drafters' caches (prior responses,
     suffix tries), the speculation policy (ladder rungs, latency model) and model drafters' RNG.
     Without it a resumed run drafts differently, which consumes the sampler's uniforms differently."""
-    drafters = [{"generator": d.generator.get_state()} if d.needs_kv else dict(vars(d)) for d in _members(llm)]
-    return {"drafters": drafters, "policy": dict(vars(llm.policy)) if llm.policy is not None else None}
+    drafters = [{"generator": d.generator.get_state()} if d.needs_kv else flat_dumps(dict(vars(d)))
+                for d in _members(llm)]
+    return {"drafters": drafters, "policy": flat_dumps(dict(vars(llm.policy))) if llm.policy is not None else None}
 
 
 def load_engine_state(llm, state: dict) -> None:
@@ -155,6 +199,6 @@ def load_engine_state(llm, state: dict) -> None:
         if d.needs_kv:
             d.generator.set_state(st["generator"])
         else:
-            vars(d).update(st)
+            vars(d).update(flat_loads(st))
     if state["policy"] is not None and llm.policy is not None:
-        vars(llm.policy).update(state["policy"])
+        vars(llm.policy).update(flat_loads(state["policy"]))

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from . import dist
 from .loader import save_model
 from .model import CausalLM, ModelArgs
 from .tasks import build_tokenizer, format_prompt, task_from_config
@@ -60,8 +61,9 @@ def fingerprint(cfg, tokenizer) -> dict:
     """Everything the SFT result depends on (a change means retrain)."""
     vocab = json.dumps(sorted(tokenizer.get_vocab().items()))
     sft = {k: v for k, v in asdict(cfg.sft).items() if k != "out_dir"}
+    task = {k: v for k, v in asdict(cfg.task).items() if k not in ("num_train", "num_test")}
     return {"version": 1, "model": {k: v for k, v in asdict(cfg.model).items() if k != "path"},
-            "task": asdict(cfg.task), "sft": sft, "seed": cfg.run.seed,
+            "task": task, "sft": sft, "seed": cfg.run.seed,
             "vocab_sha256": hashlib.sha256(vocab.encode()).hexdigest()}
 
 
@@ -93,9 +95,27 @@ def collate(examples, idx: list[int], pad_id: int, max_len: int):
     return ids, mask
 
 
+def all_reduce_grads(params: list) -> None:
+    """SUM every gradient over ranks through one flat buffer (exact; no-op without a process group)."""
+    if not dist.is_dist():
+        return
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    flat = torch.cat([p.grad.flatten() for p in params])
+    torch.distributed.all_reduce(flat)
+    i = 0
+    for p in params:
+        p.grad.copy_(flat[i:i + p.numel()].view_as(p))
+        i += p.numel()
+
+
 def train_sft(cfg, tokenizer, log=print) -> CausalLM:
-    """SFT from scratch on `cfg.sft.steps` length-bucketed batches; returns the fp32 model."""
-    sc, seed = cfg.sft, cfg.run.seed
+    """SFT from scratch on `cfg.sft.steps` length-bucketed batches; returns the fp32 model.
+    Collective when a process group exists: rank r takes rows r, r+W, ... of every batch, the loss is
+    normalised by the whole batch's token count and gradients are summed, so every rank ends with the
+    same weights as one process would (data parallel beats 2 intra-op threads ~2x on small matmuls)."""
+    sc, seed, rank, world = cfg.sft, cfg.run.seed, dist.rank(), dist.world_size()
     torch.manual_seed(seed)
     model = init_weights(CausalLM(model_args(cfg.model, tokenizer)))
     if sc.steps == 0:
@@ -106,28 +126,33 @@ def train_sft(cfg, tokenizer, log=print) -> CausalLM:
     t0 = time.perf_counter()
     examples = [encode_example(task, tokenizer, p, rng, sc.error_rate) for p in problems]
     batches = length_buckets(examples, sc.batch_size, rng)
-    log(f"[sft] {len(examples)} traces tokenized in {time.perf_counter() - t0:.1f}s; "
+    log(f"[sft] {len(examples)} traces tokenized in {time.perf_counter() - t0:.1f}s; {world} rank(s), "
         f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, {sc.steps} steps")
-    opt = torch.optim.AdamW(model.parameters(), lr=sc.lr, betas=(0.9, 0.98), weight_decay=0.01)
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(params, lr=sc.lr, betas=(0.9, 0.98), weight_decay=0.01)
     warmup = max(1, sc.steps // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(   # linear warmup, then cosine decay to 10%
         opt, lambda s: min(1.0, (s + 1) / warmup) * (0.55 + 0.45 * math.cos(math.pi * s / sc.steps)))
     model.train()
-    t0, run = time.perf_counter(), None
+    t0, run, max_len = time.perf_counter(), None, cfg.model.max_position_embeddings
     for step, idx in enumerate(batches[:sc.steps]):
-        ids, mask = collate(examples, idx, tokenizer.pad_token_id, cfg.model.max_position_embeddings)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=sc.bf16_autocast):
-            logits = model.logits(model(ids[:, :-1]))                               # [B, T-1, V] fp32
-        nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
-        loss = (nll * mask).sum() / mask.sum()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        n_tok = sum(min(len(examples[i][0]), max_len) - examples[i][1] for i in idx)  # targets, whole batch
+        opt.zero_grad(set_to_none=False)
+        loss = torch.zeros(())
+        if idx[rank::world]:
+            ids, mask = collate(examples, idx[rank::world], tokenizer.pad_token_id, max_len)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=sc.bf16_autocast):
+                logits = model.logits(model(ids[:, :-1]))                           # [B, T-1, V] fp32
+            nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
+            loss = (nll * mask).sum() / n_tok
+            loss.backward()
+        all_reduce_grads(params)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         sched.step()
-        run = loss.item() if run is None else 0.95 * run + 0.05 * loss.item()
+        run = loss.item() * world if run is None else 0.95 * run + 0.05 * loss.item() * world
         if (step + 1) % max(1, sc.steps // 10) == 0 or step + 1 == sc.steps:
-            log(f"[sft] step {step + 1}/{sc.steps} loss {run:.4f} ({time.perf_counter() - t0:.0f}s)")
+            log(f"[sft] step {step + 1}/{sc.steps} loss ~{run:.4f} ({time.perf_counter() - t0:.0f}s)")
     return model.eval()
 
 
@@ -149,30 +174,32 @@ def sft_is_current(out_dir: Path, fp: dict) -> bool:
         return False
 
 
-def prepare_sft_model(cfg, rank: int = 0, barrier=lambda: None, log=print, threads: int | None = None) -> Path:
-    """The SFT model directory for `cfg`: reused if current, else trained by rank 0 with `threads`
-    torch threads (the other ranks idle at `barrier`, then everyone loads the same files). Written to
-    a temp dir, then renamed into place."""
-    out = Path(cfg.sft.out_dir)
-    tokenizer = build_tokenizer()
+def prepare_sft_model(cfg, log=print) -> Path:
+    """The SFT model directory for `cfg` (collective): reused if current, else trained by all ranks
+    (data parallel) and written by rank 0 to a temp dir renamed into place; then everyone loads it."""
+    out, tokenizer = Path(cfg.sft.out_dir), build_tokenizer()
     fp = fingerprint(cfg, tokenizer)
-    if rank == 0:
-        if sft_is_current(out, fp):
-            log(f"[sft] reusing {out} (fingerprint matches)")
-        else:
-            if out.exists():
-                log(f"[sft] {out} was trained with another config: retraining")
-            before = torch.get_num_threads()
-            torch.set_num_threads(threads or before)
-            try:
-                model = train_sft(cfg, tokenizer, log)
-            finally:
-                torch.set_num_threads(before)
+    status = None
+    if dist.rank() == 0:
+        try:
+            status = sft_is_current(out, fp)
+        except ValueError as e:   # every rank must raise, not wait for rank 0 forever
+            status = e
+    status = dist.all_gather_object(status)[0]
+    if isinstance(status, Exception):
+        raise status
+    if status:
+        log(f"[sft] reusing {out} (fingerprint matches)")
+    else:
+        if out.exists():
+            log(f"[sft] {out} was trained with another config: retraining")
+        model = train_sft(cfg, tokenizer, log)
+        if dist.rank() == 0:
             tmp = out.with_name(out.name + ".tmp")
             shutil.rmtree(tmp, ignore_errors=True)
             save_model(model, tmp, tokenizer)
             (tmp / FINGERPRINT).write_text(json.dumps(fp, indent=1))
             shutil.rmtree(out, ignore_errors=True)
             tmp.rename(out)
-    barrier()
+    dist.barrier()
     return out

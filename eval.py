@@ -1,0 +1,129 @@
+"""Evaluate a model (or a training run's latest checkpoint) on a task, with and without speculation.
+
+    python eval.py --model runs/default --task synthetic [--n 256] [--k 4]
+    python eval.py --model /path/to/Qwen3 --task gsm8k --data /path/to/gsm8k --n 100
+
+Reports (JSON on stdout, also --out FILE):
+  pass@1          greedy accuracy (task.is_correct), reward@1 its mean reward
+  mean@k          accuracy averaged over k samples per prompt (temperature --temperature)
+  response_len_*  greedy response lengths in tokens (mean / p50 / max)
+  speculative     the same greedy decode, plain AR vs speculative engine, timed on the same prompts:
+                  speedup, tokens/s, target forwards per token, mean accepted length, and whether the
+                  outputs are token-identical (they must be: exactness). The speculative engine first
+                  generates the k samples (its drafters see them, as in RL where earlier rollouts of the
+                  same prompts exist), then the timed greedy pass.
+A run directory (RUN_DIR/config.yaml) supplies the task knobs, max tokens and `rollout.speculative`.
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_SPEC = [{"method": "prior", "num_draft_tokens": 8}, {"method": "suffix", "num_draft_tokens": 8}]
+
+
+def resolve(path: str):
+    """-> (model dir, run config or None). A run dir resolves to its latest complete checkpoint."""
+    from nanospec.checkpoint import latest_checkpoint, verify_checkpoint
+    from nanospec.config import load_config
+    p = Path(path)
+    cfg = load_config(p / "config.yaml") if (p / "config.yaml").is_file() else None
+    if (p / "config.json").is_file():
+        return p, cfg
+    ck = latest_checkpoint(p)
+    if ck is None:
+        raise SystemExit(f"--model {p}: neither an HF model dir (config.json) nor a run dir with a complete "
+                         f"checkpoint under {p / 'checkpoints'}")
+    verify_checkpoint(ck)
+    return ck, cfg
+
+
+def decode(llm, prompts, params):
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return outs, time.perf_counter() - t0
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True, help="HF model dir or run dir (latest checkpoint)")
+    ap.add_argument("--task", choices=["synthetic", "gsm8k"], default=None, help="default: the run's task")
+    ap.add_argument("--data", default=None, help="gsm8k: folder with test.jsonl, or the test.jsonl file")
+    ap.add_argument("--n", type=int, default=256, help="test prompts")
+    ap.add_argument("--k", type=int, default=4, help="samples per prompt for mean@k (0: skip)")
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--max-tokens", type=int, default=None, help="default: the run's max_completion_length or 256")
+    ap.add_argument("--speculative", default=None, help="JSON speculative config; default: the run's or prior+suffix")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None, help="also write the JSON here")
+    a = ap.parse_args(argv)
+    if a.n < 1 or a.k < 0:
+        ap.error(f"--n must be >= 1 and --k >= 0, got n={a.n}, k={a.k}")
+
+    import torch
+    from transformers import AutoTokenizer
+    from nanospec import LLM, SamplingParams
+    from nanospec.tasks import format_prompt, get_task, task_from_config
+
+    torch.set_num_threads(a.threads)
+    model_dir, cfg = resolve(a.model)
+    name = a.task or (cfg.task.name if cfg else "synthetic")
+    if name == "gsm8k":
+        data = Path(a.data) if a.data else (Path(cfg.task.data_path) if cfg and cfg.task.data_path else None)
+        task = get_task("gsm8k", data_path=data.parent if data and data.is_file() else data)
+    else:
+        task = task_from_config(cfg.task) if cfg and cfg.task.name == "synthetic" else get_task("synthetic")
+    problems = task.test(a.n)
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    prompts = [format_prompt(tok, p.prompt) for p in problems]
+    max_tokens = a.max_tokens or (cfg.grpo.max_completion_length if cfg else 256)
+    spec = json.loads(a.speculative) if a.speculative else (cfg.rollout.speculative if cfg else None) or DEFAULT_SPEC
+    stop = [] if tok.eos_token_id is None else [tok.eos_token_id]
+    greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, stop_token_ids=stop)
+    kw = dict(dtype=a.dtype, device=a.device, max_num_seqs=64, seed=a.seed)
+
+    ar = LLM(str(model_dir), tok, **kw)
+    outs, t_ar = decode(ar, prompts, greedy)
+    texts = [o.text for o in outs]
+    lens = sorted(len(o.token_ids) for o in outs)
+    res = {"model": str(model_dir), "task": name, "n": len(problems),
+           "pass@1": statistics.fmean(float(task.is_correct(p, t)) for p, t in zip(problems, texts)),
+           "reward@1": statistics.fmean(task.reward(p, t) for p, t in zip(problems, texts)),
+           "response_len_mean": statistics.fmean(lens), "response_len_p50": lens[len(lens) // 2],
+           "response_len_max": lens[-1]}
+    sp = LLM(str(model_dir), tok, speculative=spec, **kw)
+    if a.k:
+        sampled = SamplingParams(temperature=a.temperature, max_tokens=max_tokens, stop_token_ids=stop,
+                                 n=a.k, seed=a.seed)
+        souts, _ = decode(sp, prompts, sampled)
+        res[f"mean@{a.k}"] = statistics.fmean(float(task.is_correct(problems[i // a.k], o.text))
+                                              for i, o in enumerate(souts))
+        res[f"reward_mean@{a.k}"] = statistics.fmean(task.reward(problems[i // a.k], o.text)
+                                                     for i, o in enumerate(souts))
+    sp.reset_stats()
+    souts, t_sp = decode(sp, prompts, greedy)
+    s = sp.summary()
+    n_tok = sum(lens)
+    res.update({"speculative": spec, "ar_seconds": t_ar, "spec_seconds": t_sp, "speedup": t_ar / t_sp,
+                "ar_tokens_per_s": n_tok / t_ar, "spec_tokens_per_s": n_tok / t_sp,
+                "target_forwards_per_token": s["target_forwards_per_token"],
+                "mean_accepted_len": s["mean_accepted_len"], "acceptance_rate": s["acceptance_rate"],
+                "greedy_identical": all(x.token_ids == y.token_ids for x, y in zip(outs, souts)),
+                "lossy": s["lossy"]})
+    text = json.dumps(res, indent=1)
+    print(text)
+    if a.out:
+        Path(a.out).write_text(text + "\n")
+    return res
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    main()
+    sys.exit(0)

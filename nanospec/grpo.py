@@ -1,0 +1,404 @@
+"""GRPO trainer: synchronous data-parallel rollouts with the speculative engine, then one policy update.
+
+One step, on every rank (torch.distributed, gloo on CPU / nccl on GPU; world 1 without a group):
+    problems(step)           the global prompt list, a pure function of (seed, step): resumable
+    RolloutWorker.run        this rank's whole groups, G samples each, speculative and exact
+    task.reward              -> group_advantages (groups never straddle ranks)
+    forward (plain causal)   trainer logprobs; at mu=1 their detached copy *is* the recompute of
+                             pi_old, so `mismatch/*` (engine vs trainer, ~1e-6 in fp32) costs nothing
+    policy_loss per micro-batch, scaled by the GLOBAL seq/token counts (loss.py contract), backward
+    all_reduce(SUM) of one flat gradient buffer -> clip -> AdamW -> LR schedule
+    llm.load_weights         in-place copy into the engine's own model + drafter refresh ("weight sync")
+    drafter health           self-drafter checksum; acceptance-collapse warning per drafter
+    metrics.jsonl line (rank 0), checkpoint every run.save_every steps and at the end
+Why the engine holds a copy and not the policy itself: it may run in another dtype (bf16 rollouts,
+fp32 training), and a copy keeps the contract's weight-sync path (graphs, self-drafter) exercised.
+Old logprobs: without TIS, the engine's rollout logprobs; with TIS (tis_cap), the trainer's recompute,
+and the truncated ratio pi_old/pi_rollout reweights each token (verl / TRL vllm_importance_sampling).
+"""
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+import warnings
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from . import dist
+from .checkpoint import (engine_state, latest_checkpoint, load_checkpoint, load_engine_state, rng_state,
+                         save_checkpoint, set_rng_state)
+from .config import config_to_dict, save_config, validate_world
+from .drafters.chain import find_drafter
+from .engine import LLM
+from .loader import load_model
+from .loss import group_advantages, logprob_mismatch, policy_loss, tis_weights, token_logprobs
+from .policies import build_policy
+from .report import headline, load_metrics
+from .rollout import RolloutWorker, Sample
+from .sequence import SamplingParams
+from .sft import all_reduce_grads, hash_seed, prepare_sft_model
+from .tasks import format_prompt, task_from_config
+
+
+MICROBATCH_TOKENS = 2048   # padded tokens per forward/backward on the trainer side
+
+
+@dataclass
+class MicroBatch:
+    ids: torch.Tensor          # [B, L] prompt + completion, right-padded
+    pos: torch.Tensor          # [B, T] position whose logits predict completion token t
+    tokens: torch.Tensor       # [B, T] completion tokens
+    mask: torch.Tensor         # [B, T] 1 = real token
+    rollout_lp: torch.Tensor   # [B, T] engine logprobs
+    from_verify: torch.Tensor  # [B, T] bool
+    adv: torch.Tensor          # [B]
+
+
+def make_microbatch(samples: list[Sample], adv: torch.Tensor, pad_id: int, device) -> MicroBatch:
+    B, L = len(samples), max(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
+    T = max(len(s.completion_ids) for s in samples)
+    ids = torch.full((B, L), pad_id, dtype=torch.long)
+    pos, tokens = torch.zeros(B, T, dtype=torch.long), torch.zeros(B, T, dtype=torch.long)
+    mask, lp, fv = torch.zeros(B, T), torch.zeros(B, T), torch.zeros(B, T, dtype=torch.bool)
+    for b, s in enumerate(samples):
+        p, n = len(s.prompt_ids), len(s.completion_ids)
+        ids[b, :p + n] = torch.tensor(s.prompt_ids + s.completion_ids)
+        pos[b, :n] = torch.arange(p - 1, p - 1 + n)
+        tokens[b, :n], mask[b, :n] = torch.tensor(s.completion_ids), 1.0
+        lp[b, :n], fv[b, :n] = torch.tensor(s.logprobs, dtype=torch.float32), torch.tensor(s.from_verify)
+    return MicroBatch(*(t.to(device) for t in (ids, pos, tokens, mask, lp, fv, adv)))
+
+
+def micro_batches(samples: list[Sample], accumulation_steps: int, max_tokens: int = MICROBATCH_TOKENS):
+    """Index lists: `accumulation_steps` consecutive chunks, each cut into length-sorted pieces of at
+    most `max_tokens` padded tokens. Any partition gives the same gradient (losses are scaled by global
+    counts, loss.py), and response lengths are heavy-tailed: one padded batch would be mostly padding."""
+    n = len(samples)
+    size, out = -(-n // accumulation_steps), []
+    length = lambda i: len(samples[i].prompt_ids) + len(samples[i].completion_ids)
+    for start in range(0, n, size):
+        cur = []
+        for i in sorted(range(start, min(start + size, n)), key=length):
+            if cur and (len(cur) + 1) * length(i) > max_tokens:
+                out.append(cur)
+                cur = []
+            cur.append(i)
+        out.append(cur)
+    return out
+
+
+def completion_logprobs(model, mb: MicroBatch, temperature: float) -> torch.Tensor:
+    """Plain causal forward -> log softmax(logits / T)[token] at each completion position [B, T]."""
+    hidden = model(mb.ids)                                                        # [B, L, D]
+    h = hidden.gather(1, mb.pos.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))   # [B, T, D]
+    return token_logprobs(model.logits(h), mb.tokens, temperature)
+
+
+class DrafterMonitor:
+    """Acceptance collapse: a drafter's acceptance rate below `ratio` x its recent mean for `patience`
+    steps in a row (e.g. a self-drafter that missed a weight sync keeps proposing the old policy's
+    tokens). History drafters are noisy at T=1 on fresh prompts, hence the guards: >= `min_proposed`
+    drafts in the step, >= 3 steps of history, a baseline of >= `min_mean`; collapsed steps do not
+    enter the baseline. One warning per episode."""
+
+    def __init__(self, window=5, ratio=0.25, min_proposed=64, min_mean=0.2, patience=2):
+        self.window, self.ratio, self.min_proposed, self.min_mean, self.patience = window, ratio, min_proposed, min_mean, patience
+        self.history: dict[str, list] = {}
+        self.low: dict[str, int] = {}
+
+    def update(self, metrics: dict) -> list[str]:
+        alerts = []
+        for key, rate in list(metrics.items()):
+            name = key.split("/")[1] if key.startswith("drafter/") and key.endswith("/acceptance_rate") else None
+            if name is None or metrics.get(f"drafter/{name}/proposed", 0) < self.min_proposed:
+                continue
+            hist = self.history.setdefault(name, [])
+            mean = sum(hist) / len(hist) if hist else 0.0
+            if len(hist) >= 3 and mean >= self.min_mean and rate < self.ratio * mean:
+                self.low[name] = self.low.get(name, 0) + 1
+                if self.low[name] == self.patience:
+                    alerts.append(f"drafter {name!r}: acceptance collapsed to {rate:.3f} for {self.patience} steps "
+                                  f"(recent mean {mean:.3f}); is it synced with the policy?")
+            else:
+                self.low[name] = 0
+                self.history[name] = (hist + [rate])[-self.window:]
+        return alerts
+
+
+def _finite(v):
+    return None if isinstance(v, float) and not math.isfinite(v) else v
+
+
+class Trainer:
+    def __init__(self, cfg, log=print):
+        self.cfg, g = cfg, cfg.grpo
+        self.rank, self.world = dist.rank(), dist.world_size()
+        validate_world(cfg, self.world)
+        self.log = log if self.rank == 0 else (lambda *a, **k: None)
+        self.run_dir = Path(cfg.run.out_dir)
+        self.task = task_from_config(cfg.task)
+        self.init_path = cfg.model.path or prepare_sft_model(cfg, self.log)
+        from transformers import AutoTokenizer
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.init_path))
+        dev = cfg.rollout.device
+        self.policy = load_model(self.init_path, "float32", dev).train()
+        self.device = self.policy.lm_head.weight.device
+        self.ref = load_model(self.init_path, "float32", dev).requires_grad_(False) if g.beta > 0 else None
+        r = cfg.rollout
+        self.llm = LLM(load_model(self.init_path, r.dtype, dev), self.tokenizer, dtype=r.dtype, device=dev,
+                       max_num_seqs=r.max_num_seqs, block_size=r.block_size, num_kv_blocks=r.num_kv_blocks,
+                       max_num_batched_tokens=r.max_num_batched_tokens, speculative=r.speculative,
+                       prefix_caching=r.prefix_caching, seed=cfg.run.seed + self.rank, use_cuda_graphs=r.use_cuda_graphs,
+                       gpu_memory_utilization=r.gpu_memory_utilization)
+        self.llm.policy = build_policy(cfg.policies, self.llm)
+        self.worker = RolloutWorker(self.llm, self.tokenizer, self.task, cfg, self.rank, self.world)
+        self.opt = torch.optim.AdamW(self.policy.parameters(), lr=g.learning_rate, weight_decay=g.weight_decay)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: min(1.0, (s + 1) / (g.warmup_steps + 1)))
+        self.pool = self.task.train(cfg.task.num_train)
+        self.test_set = self.task.test(cfg.task.num_test) if cfg.task.num_test else []
+        self.monitor, self.step, self.eval_before, self._perms = DrafterMonitor(), 0, None, {}
+        if cfg.run.resume:
+            self._resume()
+
+    # ---- data: a pure function of (seed, step) -------------------------------------------------
+    def problems(self, step: int) -> list:
+        P, n, out = self.cfg.grpo.prompts_per_step, len(self.pool), []
+        for i in range(step * P, (step + 1) * P):
+            epoch, j = divmod(i, n)
+            if epoch not in self._perms:
+                g = torch.Generator().manual_seed(hash_seed(self.cfg.run.seed, "data", epoch))
+                self._perms = {e: p for e, p in self._perms.items() if e >= epoch - 1}
+                self._perms[epoch] = torch.randperm(n, generator=g).tolist()
+            out.append(self.pool[self._perms[epoch][j]])
+        return out
+
+    def _reseed(self, step: int) -> None:
+        """Engine RNG a function of (seed, step, rank): rollouts do not depend on the run's history."""
+        self.llm.generator.manual_seed(hash_seed(self.cfg.run.seed, "rollout", step, self.rank))
+        for i, d in enumerate(getattr(self.llm.drafter, "drafters", [self.llm.drafter])):
+            if getattr(d, "generator", None) is not None:
+                d.generator.manual_seed(hash_seed(self.cfg.run.seed, "drafter", step, self.rank, i))
+
+    # ---- one step ----------------------------------------------------------------------------
+    def text(self, s: Sample) -> str:
+        return self.tokenizer.decode(s.completion_ids, skip_special_tokens=True)
+
+    def learn(self, samples: list[Sample]) -> dict:
+        """Rewards -> advantages -> mu optimizer steps on this rank's samples (collective)."""
+        g, t0 = self.cfg.grpo, time.perf_counter()
+        rewards = [self.task.reward(s.problem, self.text(s)) for s in samples]
+        adv, _ = group_advantages(torch.tensor(rewards), g.num_generations, g.scale_rewards)
+        pad = self.tokenizer.pad_token_id or 0
+        mbs = [make_microbatch([samples[i] for i in idx], adv[idx], pad, self.device)
+               for idx in micro_batches(samples, g.gradient_accumulation_steps)]
+        counts = torch.tensor([len(samples), sum(float(mb.mask.sum()) for mb in mbs)], dtype=torch.float64)
+        n_seqs, n_toks = (int(x) for x in self._all_reduce(counts).tolist())
+        old, ref, agg, losses, norms = [], [], defaultdict(float), [], []
+        for it in range(g.num_iterations):
+            self.opt.zero_grad(set_to_none=True)
+            loss_sum = 0.0
+            for i, mb in enumerate(mbs):
+                logp = completion_logprobs(self.policy, mb, g.temperature)                  # [B, T]
+                if it == 0:
+                    old.append(logp.detach())
+                    with torch.no_grad():
+                        ref.append(completion_logprobs(self.ref, mb, g.temperature) if self.ref else None)
+                w, st = None, {}
+                if g.tis_cap is not None:
+                    w, st = tis_weights(old[i], mb.rollout_lp, mb.mask, g.tis_cap, g.tis_mode)
+                loss, lst = policy_loss(logp, old[i] if w is not None else mb.rollout_lp, mb.adv, mb.mask,
+                                        epsilon=g.epsilon, epsilon_high=g.epsilon_high, beta=g.beta, ref_logp=ref[i],
+                                        loss_type=g.loss_type, num_seqs_global=n_seqs, num_tokens_global=n_toks,
+                                        tis_weight=w)
+                loss.backward()
+                loss_sum += loss.item()
+                nt = lst.pop("num_tokens")
+                for k, v in {**lst, **st}.items():   # token-weighted sums, made global at the end
+                    agg[k] += v * nt
+                agg["_tokens"] += nt
+            losses.append(loss_sum)
+            norms.append(self._optimizer_step())
+        logps = []   # per sequence: (trainer, rollout, from_verify) -> global mismatch metrics
+        for mb, o in zip(mbs, old):
+            for b, n in enumerate(mb.mask.sum(1).long().tolist()):
+                logps.append((o[b, :n].tolist(), mb.rollout_lp[b, :n].tolist(), mb.from_verify[b, :n].tolist()))
+        return dict(rewards=rewards, correct=[self.task.is_correct(s.problem, self.text(s)) for s in samples],
+                    lengths=[len(s.completion_ids) for s in samples], logps=logps, agg=dict(agg),
+                    loss=sum(losses) / len(losses), grad_norm=norms[-1], time=time.perf_counter() - t0)
+
+    def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        if self.world > 1:
+            dev = self.device if torch.distributed.get_backend() == "nccl" else "cpu"
+            t = t.to(dev)
+            torch.distributed.all_reduce(t)
+        return t.cpu()
+
+    def _optimizer_step(self) -> float:
+        params = list(self.policy.parameters())
+        all_reduce_grads(params)   # SUM over ranks: each rank's loss is already scaled by the global counts
+        norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.grpo.max_grad_norm or math.inf)
+        self.opt.step()
+        self.sched.step()
+        return float(norm)
+
+    def sync_weights(self) -> float:
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            self.llm.load_weights(self.policy.state_dict())
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    def drafter_health(self, m: dict) -> None:
+        d = find_drafter(self.llm.drafter, "self")
+        if d is not None and hasattr(d, "checksum_matches"):
+            ok = bool(d.checksum_matches(self.llm.model))
+            m["drafter/self/checksum_ok"] = float(ok)
+            if not ok:
+                self._warn("drafter 'self': NF4 weights do not match the policy after weight sync (stale drafter)")
+        for msg in self.monitor.update(m):
+            self._warn(msg)
+
+    def _warn(self, msg: str) -> None:
+        if self.rank == 0:
+            warnings.warn(msg, stacklevel=2)
+
+    def train_step(self) -> dict:
+        step, t0 = self.step, time.perf_counter()
+        self._reseed(step)
+        samples, m = self.worker.run(step, self.problems(step), self.problems(step + 1))
+        t_roll = time.perf_counter() - t0
+        rec = self.learn(samples)
+        t_sync = self.sync_weights()
+        recs = dist.all_gather_object(dict(rec, rollout_time=t_roll))
+        m.update(self._merge(recs), step=step, time_weight_sync=t_sync, lr=self.sched.get_last_lr()[0],
+                 rank_train_time=[r["time"] for r in recs], time_train=max(r["time"] for r in recs),
+                 rank_rollout_time=[r["rollout_time"] for r in recs])
+        self.drafter_health(m)
+        spec = self.cfg.rollout.speculative
+        m["speculative"] = "+".join(s["method"] for s in (spec if isinstance(spec, list) else [spec])) if spec else None
+        self.step += 1
+        m["time_step"] = time.perf_counter() - t0
+        return m
+
+    def _merge(self, recs: list[dict]) -> dict:
+        G = self.cfg.grpo.num_generations
+        rew = [x for r in recs for x in r["rewards"]]
+        lens = sorted(x for r in recs for x in r["lengths"])
+        groups = [rew[i:i + G] for i in range(0, len(rew), G)]
+        agg = defaultdict(float)
+        for r in recs:
+            for k, v in r["agg"].items():
+                agg[k] += v
+        out = {k: v / max(agg["_tokens"], 1) for k, v in agg.items() if k != "_tokens"}
+        logps = [x for r in recs for x in r["logps"]]
+        T = max(len(o) for o, _, _ in logps)
+        pad = lambda rows, v: torch.tensor([row + [v] * (T - len(row)) for row in rows])
+        mask = pad([[1.0] * len(o) for o, _, _ in logps], 0.0)
+        out.update(logprob_mismatch(pad([o for o, _, _ in logps], 0.0), pad([r for _, r, _ in logps], 0.0), mask,
+                                    pad([f for _, _, f in logps], False)))
+        out.update(reward_mean=statistics.fmean(rew), reward_std=statistics.pstdev(rew),
+                   accuracy=statistics.fmean(float(c) for r in recs for c in r["correct"]),
+                   frac_reward_zero_std=statistics.fmean(float(max(g) - min(g) < 1e-9) for g in groups),
+                   response_len_mean=statistics.fmean(lens), response_len_p50=lens[len(lens) // 2],
+                   response_len_max=lens[-1], loss=sum(r["loss"] for r in recs), grad_norm=recs[0]["grad_norm"],
+                   kl=out.get("kl"))
+        return out
+
+    # ---- evaluation: greedy, plain AR (drafters and policy detached, their state untouched) ----
+    def evaluate(self) -> dict:
+        if not self.test_set:
+            return {}
+        mine = self.test_set[self.rank::self.world]
+        llm, saved = self.llm, (self.llm.drafter, self.llm.policy)
+        llm.drafter = llm.policy = None
+        try:
+            eos = self.tokenizer.eos_token_id
+            params = SamplingParams(temperature=0.0, max_tokens=self.cfg.grpo.max_completion_length,
+                                    stop_token_ids=[] if eos is None else [eos])
+            outs = llm.generate([format_prompt(self.tokenizer, p.prompt) for p in mine], params, use_tqdm=False)
+        finally:
+            llm.drafter, llm.policy = saved
+        res = [(self.task.reward(p, o.text), float(self.task.is_correct(p, o.text))) for p, o in zip(mine, outs)]
+        res = [x for r in dist.all_gather_object(res) for x in r]
+        return {"eval/reward_mean": statistics.fmean(r for r, _ in res),
+                "eval/accuracy": statistics.fmean(c for _, c in res), "eval/n": len(res)}
+
+    # ---- checkpoints ---------------------------------------------------------------------------
+    def save(self) -> Path:
+        ts = {"step": self.step, "optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict(),
+              "eval_before": self.eval_before, "monitor": vars(self.monitor), "config": config_to_dict(self.cfg)}
+        rs = {"rng": rng_state(), "worker": self.worker.state_dict(), "engine": engine_state(self.llm)}
+        return save_checkpoint(self.run_dir, self.step, self.policy, self.tokenizer, ts, rs, rank=self.rank,
+                               world_size=self.world, barrier=dist.barrier)
+
+    def _resume(self) -> None:
+        ck = latest_checkpoint(self.run_dir)
+        if ck is None:
+            self.log(f"[resume] no complete checkpoint in {self.run_dir}/checkpoints: starting at step 0")
+            return
+        ts, rs = load_checkpoint(ck, self.rank, self.world)
+        with torch.no_grad():
+            for name, t in load_model(ck, "float32", "cpu").state_dict().items():
+                self.policy.state_dict()[name].copy_(t)
+        self.opt.load_state_dict(ts["optimizer"])
+        self.sched.load_state_dict(ts["scheduler"])
+        self.step, self.eval_before = ts["step"], ts["eval_before"]
+        vars(self.monitor).update(ts["monitor"])
+        set_rng_state(rs["rng"])
+        self.worker.load_state_dict(rs["worker"])
+        load_engine_state(self.llm, rs["engine"])
+        self.sync_weights()
+        self.log(f"[resume] {ck}: continuing at step {self.step}")
+
+    # ---- the loop ------------------------------------------------------------------------------
+    def train(self) -> dict:
+        cfg, t0 = self.cfg, time.perf_counter()
+        metrics_path = self.run_dir / "metrics.jsonl"
+        if self.rank == 0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            save_config(cfg, self.run_dir / "config.yaml")
+            keep = [l for l in (metrics_path.read_text().splitlines() if metrics_path.exists() else [])
+                    if l.strip() and json.loads(l)["step"] < self.step]   # a resumed run rewrites later steps
+            metrics_path.write_text("".join(l + "\n" for l in keep))
+        if self.eval_before is None:
+            self.eval_before = self.evaluate()
+            self.log(f"[eval] before: {self.eval_before}")
+        bar = tqdm(total=cfg.grpo.num_steps, initial=self.step, desc="grpo", disable=self.rank != 0)
+        m = {}
+        while self.step < cfg.grpo.num_steps:
+            m = self.train_step()
+            last = self.step == cfg.grpo.num_steps
+            if last or (cfg.run.eval_every and self.step % cfg.run.eval_every == 0):
+                m.update(self.evaluate())
+            if self.rank == 0:
+                with open(metrics_path, "a") as f:
+                    f.write(json.dumps({k: _finite(v) for k, v in m.items()}) + "\n")
+            bar.update(1)
+            bar.set_postfix(reward=f"{m['reward_mean']:.3f}", t_roll=f"{m['time_rollout']:.1f}s")
+            if last or (cfg.run.save_every and self.step % cfg.run.save_every == 0):
+                self.save()
+        bar.close()
+        after = {k: v for k, v in m.items() if k.startswith("eval/")} or self.evaluate()
+        return self.summary(after, time.perf_counter() - t0)
+
+    def summary(self, after: dict, seconds: float) -> dict:
+        path = self.run_dir / "metrics.jsonl"
+        h = headline(load_metrics(str(path))) if self.rank == 0 and path.is_file() and path.stat().st_size else {}
+        out = {"eval_before": self.eval_before, "eval_after": after, "seconds": seconds, **h}
+        b, a = self.eval_before or {}, after or {}
+        f = lambda v: "n/a" if v is None else f"{v:.4g}"
+        self.log("\n".join([
+            f"== nanospec GRPO: {self.cfg.grpo.num_steps} steps, {self.world} rank(s), {seconds:.0f}s ==",
+            f"eval reward (greedy, {a.get('eval/n', 0)} test prompts): before {f(b.get('eval/reward_mean'))} -> "
+            f"after {f(a.get('eval/reward_mean'))}   accuracy {f(b.get('eval/accuracy'))} -> {f(a.get('eval/accuracy'))}",
+            f"rollout time per step: {f(h.get('rollout time per step (s)'))}s   target forwards per token: "
+            f"{f(h.get('target forwards per token'))}   mean accepted length: {f(h.get('mean accepted length'))}",
+            f"report: python -m nanospec.report {self.run_dir}"]))
+        return out

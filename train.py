@@ -1,0 +1,43 @@
+"""GRPO with speculative rollouts: SFT warm-up (embedded default, reused if present), then GRPO.
+
+    torchrun --standalone --nproc_per_node=2 train.py --config configs/default.yaml [--section.key=value ...]
+    python train.py --config configs/default.yaml --grpo.num_steps=5     # one process (world 1)
+    ... --resume                                                         # = --run.resume=true
+
+One process per rank: gloo on CPU, nccl on GPU; each rank uses run.num_threads torch threads
+(default 1: two ranks on two cores must not oversubscribe them). Rank 0 prints the summary and
+writes RUN_DIR/metrics.jsonl (`python -m nanospec.report RUN_DIR` plots it) and the checkpoints.
+"""
+import argparse
+import os
+import sys
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default="configs/default.yaml", help="YAML config (may set `base:`)")
+    ap.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint")
+    args, overrides = ap.parse_known_args(argv)
+    bad = [o for o in overrides if not (o.startswith("--") and "." in o.split("=")[0] and "=" in o)]
+    if bad:
+        ap.error(f"unrecognized arguments {bad}: overrides look like --section.key=value")
+    if args.resume:
+        overrides.append("--run.resume=true")
+
+    import torch
+    from nanospec import dist
+    from nanospec.config import load_config
+
+    cfg = load_config(args.config, overrides)      # config errors surface before any process group
+    torch.set_num_threads(cfg.run.num_threads)
+    dist.init_distributed()
+    try:
+        from nanospec.grpo import Trainer
+        Trainer(cfg).train()
+    finally:
+        dist.cleanup()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
