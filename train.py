@@ -9,7 +9,6 @@ One process per rank: gloo on CPU, nccl on GPU; each rank uses run.num_threads t
 writes RUN_DIR/metrics.jsonl (`python -m nanospec.report RUN_DIR` plots it) and the checkpoints.
 """
 import argparse
-import os
 import sys
 
 
@@ -30,7 +29,7 @@ def main(argv=None) -> int:
 
     cfg = load_config(args.config, overrides)      # config errors surface before any process group
     torch.set_num_threads(cfg.run.num_threads)
-    dist.init_distributed()
+    dist.init_distributed("nccl" if cfg.rollout.device.startswith("cuda") else "gloo")
     try:
         from nanospec.grpo import Trainer
         Trainer(cfg).train()

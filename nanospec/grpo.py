@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import statistics
 import time
 import warnings
@@ -31,8 +32,8 @@ import torch
 from tqdm.auto import tqdm
 
 from . import dist
-from .checkpoint import (engine_state, latest_checkpoint, load_checkpoint, load_engine_state, rng_state,
-                         save_checkpoint, set_rng_state)
+from .checkpoint import (engine_state, latest_checkpoint, list_checkpoints, load_checkpoint, load_engine_state,
+                         rng_state, save_checkpoint, set_rng_state)
 from .config import config_to_dict, save_config, validate_world
 from .drafters.chain import find_drafter
 from .engine import LLM
@@ -208,7 +209,7 @@ class Trainer:
                 if it == 0:
                     old.append(logp.detach())
                     with torch.no_grad():
-                        ref.append(completion_logprobs(self.ref, mb, g.temperature) if self.ref else None)
+                        ref.append(completion_logprobs(self.ref, mb, g.temperature) if self.ref is not None else None)
                 w, st = None, {}
                 if g.tis_cap is not None:
                     w, st = tis_weights(old[i], mb.rollout_lp, mb.mask, g.tis_cap, g.tis_mode)
@@ -367,6 +368,12 @@ class Trainer:
             keep = [l for l in (metrics_path.read_text().splitlines() if metrics_path.exists() else [])
                     if l.strip() and json.loads(l)["step"] < self.step]   # a resumed run rewrites later steps
             metrics_path.write_text("".join(l + "\n" for l in keep))
+            stale = [p for p in list_checkpoints(self.run_dir) if int(p.name[5:]) > self.step]
+            if stale:   # a fresh run in an old run dir: old later checkpoints must not pass for ours
+                self.log(f"[run] removing {len(stale)} checkpoint(s) of an earlier run in {self.run_dir} "
+                         f"past step {self.step} (resume with --resume instead)")
+                for p in stale:
+                    shutil.rmtree(p)
         if self.eval_before is None:
             self.eval_before = self.evaluate()
             self.log(f"[eval] before: {self.eval_before}")

@@ -1,6 +1,7 @@
 """GRPO trainer: data-parallel exactness, metrics, logprob mismatch, drafter health, checkpoints."""
 import json
 import random
+import shutil
 import warnings
 
 import pytest
@@ -115,12 +116,19 @@ def test_train_writes_metrics_and_fp32_mismatch_is_tiny(tmp_path):
     assert "drafter/suffix/acceptance_rate" in recs[1]
     assert out["eval_before"]["eval/n"] == 4 and "eval/reward_mean" in out["eval_after"]
     assert [p.name for p in list_checkpoints(tmp_path / "run")] == ["step_000002"]
+    old = tmp_path / "run" / "checkpoints" / "step_000099"       # a longer earlier run in the same dir
+    shutil.copytree(tmp_path / "run" / "checkpoints" / "step_000002", old)
+    Trainer(cfg, log=lambda *a: None).train()                     # a fresh (not resumed) run
+    assert not old.exists() and latest_checkpoint(tmp_path / "run").name == "step_000002"
+    assert [r["step"] for r in load_metrics(str(tmp_path / "run" / "metrics.jsonl"))] == [0, 1]
 
 
 def test_bf16_engine_shows_mismatch(tmp_path):
-    tr = Trainer(tiny_cfg(tmp_path, rollout__dtype="bfloat16"), log=lambda *a: None)
+    tr = Trainer(tiny_cfg(tmp_path, rollout__dtype="bfloat16", grpo__num_iterations=2, grpo__tis_cap=2.0,
+                          grpo__loss_type="grpo"), log=lambda *a: None)
     m = tr.train_step()
     assert m["mismatch/mean_abs"] > 1e-4, m["mismatch/mean_abs"]
+    assert 0 < m["tis/mean_weight"] <= 2.0 and m["step"] == 0 and tr.step == 1
 
 
 def test_acceptance_collapse_warns_for_stale_self_drafter(tmp_path):

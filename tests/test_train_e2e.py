@@ -10,7 +10,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 
 import pytest
 
