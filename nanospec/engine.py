@@ -234,41 +234,46 @@ class LLM:
 
     def _verify_and_append(self, seqs, logits, proposal: Proposal, is_decode: bool) -> list[Sequence]:
         B, K1, V = logits.shape
-        K = K1 - 1
-        st = SamplingTensors.from_params([s.params for s in seqs], V, self.device)
-        draft = torch.tensor([d + [0] * (K - len(d)) for d in proposal.tokens], dtype=torch.long,
-                             device=self.device).view(B, K)
-        num_draft = torch.tensor([len(d) for d in proposal.tokens], device=self.device)
+        K, dev, drafts = K1 - 1, self.device, proposal.tokens
+        key = (V, *((s.params.temperature, s.params.top_k, s.params.top_p) for s in seqs))
+        if getattr(self, "_st_key", None) != key:   # decode steps repeat the same batch: build it once
+            self._st_key, self._st = key, SamplingTensors.from_params([s.params for s in seqs], V, dev)
+        st = self._st
+        draft = torch.tensor([d + [0] * (K - len(d)) for d in drafts], dtype=torch.long, device=dev).view(B, K)
+        num_draft = torch.tensor([len(d) for d in drafts], device=dev)
         # each row draws exactly len(draft)+1 uniforms, so a seeded request's stream does not depend
         # on the draft lengths of its batch-mates. Rows sharing a generator draw in one call (the CPU
-        # generator is serial: one call of n == n calls in row order, bit for bit).
-        u, groups = torch.ones(B * K1), {}
+        # generator is serial: one call of n == n calls in row order, bit for bit). All-greedy batches
+        # draw them too (the streams advance the same way) but need no tensor of them.
+        groups = {}
         for i, s in enumerate(seqs):
             g = s.generator or self.generator
             groups.setdefault(id(g), (g, []))[1].append(i)
+        u = None if st.all_greedy else torch.ones(B * K1)
         for g, rows in groups.values():
-            idx = [i * K1 + j for i in rows for j in (*range(len(proposal.tokens[i])), K)]
-            u[idx] = 1.0 - torch.rand(len(idx), generator=g)
-        u = u.view(B, K1).to(self.device)
-        q = proposal.q[:, :K].to(self.device) if proposal.q is not None else None
-        lq = proposal.lenient_q[:, :K].to(self.device) if proposal.lenient_q is not None else None
+            idx = [i * K1 + j for i in rows for j in (*range(len(drafts[i])), K)]
+            r = torch.rand(len(idx), generator=g)
+            if u is not None:
+                u[idx] = 1.0 - r
+        u = torch.ones(B, K1, device=dev) if u is None else u.view(B, K1).to(dev)
+        q = proposal.q[:, :K].to(dev) if proposal.q is not None else None
+        lq = proposal.lenient_q[:, :K].to(dev) if proposal.lenient_q is not None else None
         n, toks, lps = speculative.verify(logits, draft, num_draft, st, u[:, :K], u[:, K], q, lq)
         host = torch.cat([n.unsqueeze(1).double(), toks.double(), lps.double()], 1).tolist()  # one sync
-        finished = []
-        for s, row, d, src in zip(seqs, host, proposal.tokens, proposal.sources):
+        finished, generated = [], 0
+        for s, row, d, src in zip(seqs, host, drafts, proposal.sources):
             n_acc = int(row[0])
-            emitted = [int(t) for t in row[1:2 + n_acc]]
-            logprobs = row[2 + K:3 + K + n_acc]
-            self._count(src, len(d), n_acc)
-            for t, lp in zip(emitted, logprobs):
+            if d:
+                self._count(src, len(d), n_acc)
+            for t, lp in zip(row[1:2 + n_acc], row[2 + K:3 + K + n_acc]):
+                t = int(t)
                 s.token_ids.append(t)
                 s.logprobs.append(lp)
                 s.from_verify.append(bool(d))
-                self.stats["generated_tokens"] += 1
+                generated += 1
                 reason = self._finish_reason(s, t)
                 if reason:
                     break
-            self.stats["seq_forwards"] += 1
             if not reason:
                 s.num_computed = len(s) - 1
                 s.num_draft_computed = min(s.num_draft_computed, s.num_computed)
@@ -279,6 +284,8 @@ class LLM:
                     self.drafter.observe(s)
                     self.drafter.free(s)
                 finished.append(s)
+        self.stats["generated_tokens"] += generated
+        self.stats["seq_forwards"] += B
         return finished
 
     def _finish_reason(self, s: Sequence, token: int) -> str | None:

@@ -8,9 +8,11 @@ before. Differences between the families are three flags:
     Qwen2 : Llama + bias on q/k/v                         (attention_bias=True)
     Qwen3 : Llama + RMSNorm on each head of q and k       (qk_norm=True, explicit head_dim)
 
-One attention path serves prefill, 1-token decode and (k+1)-token verify, on a padded batch
-`[B, Q]` of new tokens per sequence (see `PagedKV`). Training calls the same model with `kv=None`
-(plain causal attention over the input), so rollout and trainer share every weight and kernel.
+One paged-attention path (write the new K/V, gather each sequence's keys, attend) serves prefill,
+1-token decode and (k+1)-token verify, on a padded batch `[B, Q]` of new tokens per sequence (see
+`PagedKV`); on CPU, steps with few new tokens attend with two batched matmuls instead of SDPA (SMALL_Q).
+Training calls the same model with `kv=None` (plain causal attention over the input), so rollout and
+trainer share every weight; engine steps on CPU multiply by prepacked copies of them (`Linear`).
 """
 from __future__ import annotations
 
@@ -96,30 +98,32 @@ class PagedKV:
     The last block is a *null block*: padding rows write there and padded keys read from there, so every
     shape is static given (B, Q, C) — which is what lets a CUDA graph capture this same code.
     """
-    cache: torch.Tensor          # [L, 2, num_slots, n_kv, hd]
+    cache: torch.Tensor          # [L, 2, num_slots, n_kv, hd], head-major storage (CausalLM.new_kv_cache)
     slot_mapping: torch.Tensor   # [B, Q]  slot of each new token (padding -> null slot)
     key_slots: torch.Tensor      # [B, C]  slot of key position j of each sequence (j < C)
 
 
 class Linear(nn.Linear):
-    """nn.Linear that, for CPU float32 inference, multiplies by a oneDNN-prepacked copy of its weight.
+    """nn.Linear that, under inference_mode on CPU in float32 (the engine's steps), multiplies by a
+    oneDNN-prepacked copy of its weight.
 
-    Why: decode steps are small-M matmuls ([B*(k+1), D] x [D, N]) where the BLAS call re-packs the
-    whole weight every time; oneDNN's prepacked blocked layout (what torch.compile/inductor uses on CPU)
-    skips that and picks AVX-512 kernels: ~1.5-2x on the engine benchmark's matmuls. Same math, different
-    summation order: |diff| ~1e-7 relative. Training (grad enabled), GPU and other dtypes use F.linear.
-    The copy is rebuilt when the weight changes: the key (data_ptr, _version) moves on any in-place
-    write (LLM.load_weights, optimizer steps) or storage swap.
+    Why: decode steps are small-M matmuls ([B*(k+1), D] x [D, N]); MKL re-packs the whole weight on
+    every call and, on this AMD CPU, does not use its AVX-512 kernels. oneDNN's prepacked blocked layout
+    (what torch.compile / inductor use for CPU linears) avoids both: the engine benchmark's b16 decode
+    forward runs ~1.2x faster (b1: the same). Same math, another summation order (<= ~1e-7 relative).
+    Autograd, no_grad (trainer), GPU and other dtypes use F.linear. The copy is rebuilt when the weight
+    changes: (data_ptr, _version) moves on any in-place write (LLM.load_weights) or storage swap.
     """
     def forward(self, x):
         w = self.weight
-        if not PACK or torch.is_grad_enabled() or not x.is_cpu or w.dtype != torch.float32 or x.dtype != w.dtype:
+        if (not PACK or not torch.is_inference_mode_enabled() or not x.is_cpu or w.is_inference()
+                or not w.dtype == x.dtype == torch.float32):   # (inference tensors have no _version)
             return F.linear(x, w, self.bias)
         pack = self.__dict__.get("_pack")
         key = (w.data_ptr(), w._version)
         if pack is None or pack.key != key:
             pack = self.__dict__["_pack"] = _Packed(key, w, torch.ops.mkldnn._reorder_linear_weight(w.detach(), 64))
-        return torch.ops.mkldnn._linear_pointwise(x, pack.weight, self.bias, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise.default(x, pack.weight, self.bias, "none", [], "")
 
 
 class _Packed:
@@ -142,8 +146,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
-        if x.dtype == self.weight.dtype == torch.float32:   # one fused kernel, bitwise the same as below
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        if x.dtype == self.weight.dtype == torch.float32:   # in place on temporaries; bitwise the same as below
+            return (x * x.pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_()).mul_(self.weight)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -178,7 +182,7 @@ def attention_mask(positions, C: int, fused_shape: tuple | None, dtype=torch.flo
         return keep.unsqueeze(1)
     Hkv, G = fused_shape
     B, Q = positions.shape
-    bias = torch.zeros(B, Q, C, dtype=dtype, device=positions.device).masked_fill_(~keep, float("-inf"))
+    bias = torch.where(keep, 0.0, float("-inf")).to(dtype)                                  # [B, Q, C]
     return bias[None, :, None].expand(Hkv, B, G, Q, C).reshape(Hkv * B, G * Q, C)
 
 

@@ -28,13 +28,18 @@ class Runner:
         Q = max(map(len, tokens))
         nb = max(len(s.block_table) for s in seqs)
         C = max(a + len(t) for a, t in zip(starts, tokens))
-        rows = []   # built on the host (a decode step is a few hundred ints): ids | positions | slots | table
+        rows = []   # built on the host, one H2D copy: ids | positions | slots | block table
         for s, t, a in zip(seqs, tokens, starts):
-            bt, pad = s.block_table, Q - len(t)
-            pos = range(a, a + len(t))
-            rows.append(t + [0] * pad + [*pos] + [0] * pad + [bt[p // bs] * bs + p % bs for p in pos]
-                        + [null * bs] * pad + bt + [null] * (nb - len(bt)))
-        host = torch.tensor(rows, device=dev)                                    # one H2D copy
+            bt, pad, end = s.block_table, Q - len(t), a + len(t)
+            slots, p = [], a
+            while p < end:   # one run of consecutive slots per block touched
+                off = p % bs
+                n = min(bs - off, end - p)
+                slots.extend(range(bt[p // bs] * bs + off, bt[p // bs] * bs + off + n))
+                p += n
+            rows.append(t + [0] * pad + [*range(a, end)] + [0] * pad + slots + [null * bs] * pad
+                        + bt + [null] * (nb - len(bt)))
+        host = torch.tensor(rows, device=dev)
         input_ids, positions, slot_mapping, table = host.split([Q, Q, Q, nb], 1)
         key_slots = (table[:, :, None] * bs + torch.arange(bs, device=dev)).flatten(1)[:, :C]  # key j -> slot
         return input_ids, positions, PagedKV(self.cache, slot_mapping, key_slots)
