@@ -194,7 +194,7 @@ class LLM:
             return []
         last = torch.tensor([len(tokens[i]) - 1 for i in fresh], device=self.device)
         logits = self.model.logits(hidden[fresh, last].unsqueeze(1))             # [F, 1, V]
-        return self._verify_and_append([seqs[i] for i in fresh], logits, Proposal([[] for _ in fresh]), False)
+        return self._verify_and_append([seqs[i] for i in fresh], logits, Proposal([[] for _ in fresh]))
 
     def _decode(self, seqs: list[Sequence]) -> list[Sequence]:
         proposal = self._propose(seqs)
@@ -203,7 +203,7 @@ class LLM:
         hidden = self.runner.forward(seqs, tokens, [len(s) - 1 for s in seqs])
         logits = self.model.logits(hidden)                                       # [B, K+1, V]
         self.stats["target_forwards"] += 1
-        finished = self._verify_and_append(seqs, logits, proposal, True)
+        finished = self._verify_and_append(seqs, logits, proposal)
         if self.policy is not None:
             self.policy.observe_forward(len(seqs), seqs, tokens, time.perf_counter() - t0)
         return finished
@@ -232,7 +232,7 @@ class LLM:
             assert len(proposal.tokens[i]) <= k, f"drafter {proposal.sources[i]} proposed past its budget"
         return proposal
 
-    def _verify_and_append(self, seqs, logits, proposal: Proposal, is_decode: bool) -> list[Sequence]:
+    def _verify_and_append(self, seqs, logits, proposal: Proposal) -> list[Sequence]:
         B, K1, V = logits.shape
         K, dev, drafts = K1 - 1, self.device, proposal.tokens
         key = (V, *((s.params.temperature, s.params.top_k, s.params.top_p) for s in seqs))

@@ -24,15 +24,6 @@ ATOL = 1e-4
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models: one intra-op thread is faster, and does not spin against other jobs on 2 cores."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def ragged_prompts(n, vocab=64, seed=0, lo=1, hi=15):
     rng = random.Random(seed)
     return [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]

@@ -27,15 +27,6 @@ ATOL = 1e-4
 K = 3                                    # num_draft_tokens
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models: one intra-op thread is faster, and does not spin against other jobs on 2 cores."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def run_requests(llm, reqs, prompt_keys=None):
     seqs = [s for i, (p, sp) in enumerate(reqs)
             for s in llm.add_request(p, sp, i, None if prompt_keys is None else prompt_keys[i])]

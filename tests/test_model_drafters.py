@@ -21,15 +21,6 @@ def model_dir(path, words=WORDS, **kw):
     return d
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models gain nothing from 2 threads, and on the shared 2-core box they stall on each other."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
     t = tmp_path_factory.mktemp
