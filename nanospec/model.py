@@ -101,6 +101,7 @@ class PagedKV:
     cache: torch.Tensor          # [L, 2, num_slots, n_kv, hd], head-major storage (CausalLM.new_kv_cache)
     slot_mapping: torch.Tensor   # [B, Q]  slot of each new token (padding -> null slot)
     key_slots: torch.Tensor      # [B, C]  slot of key position j of each sequence (j < C)
+    token_index: torch.Tensor | None = None   # [N] flat b * Q + i of the real tokens (None: all B * Q)
 
 
 class Linear(nn.Linear):
@@ -207,11 +208,12 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps)
 
     def forward(self, x, B: int, rotary, mask, paged):
-        """x [N = B * Q, D] -> [N, D]. paged: None (plain causal attention) or CausalLM.forward's tuple
-        (head-major caches [L, 2 Hkv, S, hd], new-token slots [N], key slots [B * C], C)."""
+        """x [N, D] -> [N, D], N = B * Q (or the packed real tokens). paged: None (plain causal
+        attention) or CausalLM.forward's tuple (head-major caches [L, 2 Hkv, S, hd], new-token slots [N],
+        key slots [B * C], C, token_index [N] or None, Q)."""
         a = self.a
         N, Hq, Hkv, hd = x.shape[0], a.num_heads, a.num_kv_heads, a.head_dim
-        G, Q = Hq // Hkv, x.shape[0] // B
+        G, Q = Hq // Hkv, (x.shape[0] // B if paged is None else paged[5])
         qkv = self.qkv_proj(x)                                                # [N, (Hq + 2 Hkv) hd]
         if a.qk_norm:
             q, k, v = qkv.split([Hq * hd, Hkv * hd, Hkv * hd], -1)
@@ -219,13 +221,17 @@ class Attention(nn.Module):
             qkv = torch.cat([q.view(N, -1), k.view(N, -1), v], -1)
         # RoPE on q and k in one pass: the row as G + 2 chunks of Hkv heads (q, then k, then v: cos 1, sin 0)
         qkv = rope(qkv.view(N, G + 2, Hkv, hd), *rotary)                      # [N, G+2, Hkv, hd]
-        q = qkv[:, :G].reshape(B, Q, Hq, hd)                                  # head h = kv head h // G
+        index = None if paged is None else paged[4]
+        if index is None:
+            q = qkv[:, :G].reshape(B, Q, Hq, hd)                              # head h = kv head h // G
+        else:   # packed tokens: only attention needs the padded [B, Q] layout
+            q = qkv.new_zeros(B * Q, G, Hkv, hd).index_copy_(0, index, qkv[:, :G]).view(B, Q, Hq, hd)
         if paged is None:  # training / reference: causal attention over the input itself
             k, v = qkv[:, G].view(B, Q, Hkv, hd), qkv[:, G + 1].view(B, Q, Hkv, hd)
             out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                  is_causal=True, enable_gqa=True).transpose(1, 2)
             return self.o_proj(out.reshape(N, Hq * hd))
-        caches, slots, key_slots, C = paged
+        caches, slots, key_slots, C = paged[:4]
         cache = caches[self.layer]                                            # [2 Hkv, S, hd]: k heads, v heads
         cache.index_copy_(1, slots, qkv[:, G:].reshape(N, 2 * Hkv, hd).transpose(0, 1))
         kvs = cache.index_select(1, key_slots).view(2, Hkv, B, C, hd)         # one gather, K and V
@@ -239,7 +245,8 @@ class Attention(nn.Module):
             keys, vals = kvs[0].transpose(0, 1), kvs[1].transpose(0, 1)              # [B, Hkv, C, hd]
             out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, vals, attn_mask=mask,
                                                  enable_gqa=True).transpose(1, 2)
-        return self.o_proj(out.reshape(N, Hq * hd))
+        out = out.reshape(B * Q, Hq * hd)
+        return self.o_proj(out if index is None else out.index_select(0, index))
 
 
 class MLP(nn.Module):
@@ -289,8 +296,14 @@ class CausalLM(nn.Module):
         B, Q = input_ids.shape
         if positions is None:
             positions = torch.arange(Q, device=input_ids.device).expand_as(input_ids)
-        x = self.model.embed_tokens(input_ids.reshape(-1))                       # [N, D], N = B * Q
-        rotary = self.rotary(positions)
+        # a ragged step (verify rows with and without drafts, prefill chunks) packs its real tokens:
+        # projections and MLP then cost N real tokens, not B * Q padded ones
+        index = kv.token_index if kv is not None else None
+        flat_ids, flat_pos = input_ids.reshape(-1), positions.reshape(-1)
+        if index is not None:
+            flat_ids, flat_pos = flat_ids.index_select(0, index), flat_pos.index_select(0, index)
+        x = self.model.embed_tokens(flat_ids)                                    # [N, D]
+        rotary = self.rotary(flat_pos, Q)
         mask = paged = None
         if kv is not None:
             C = kv.key_slots.shape[1]
@@ -300,16 +313,21 @@ class CausalLM(nn.Module):
             caches = kv.cache.permute(0, 1, 3, 2, 4)                             # [L, 2, Hkv, S, hd]
             if not caches.is_contiguous():   # flatten would copy and the layers' writes would be lost
                 raise ValueError("PagedKV.cache must be laid out by CausalLM.new_kv_cache (head-major storage)")
-            paged = (caches.flatten(1, 2), kv.slot_mapping.flatten(), kv.key_slots.flatten(), C)
+            slots = kv.slot_mapping.flatten()
+            slots = slots if index is None else slots.index_select(0, index)
+            paged = (caches.flatten(1, 2), slots, kv.key_slots.flatten(), C, index, Q)
         for layer in self.model.layers:
             x = layer(x, B, rotary, mask, paged)
-        return self.model.norm(x).view(B, Q, -1)
+        x = self.model.norm(x)
+        if index is not None:
+            x = x.new_zeros(B * Q, x.shape[-1]).index_copy_(0, index, x)
+        return x.view(B, Q, -1)
 
-    def rotary(self, positions):
+    def rotary(self, positions, width: int):
         """cos, sin' [N, G + 2, 1, hd] for the fused qkv row (chunks: G of q heads, k, v: cos 1, sin 0),
         looked up in a table built once per device (`rope_table`)."""
         a, dev = self.args, positions.device
-        n = max(a.max_position_embeddings, positions.shape[1])   # kv=None may run past it, like HF
+        n = max(a.max_position_embeddings, width)   # kv=None may run past it, like HF
         table = self.__dict__.get("_rope")
         if table is None or table.device != dev or table.shape[0] < n:
             table = self.__dict__["_rope"] = rope_table(n, a.head_dim, a.rope_theta, dev)

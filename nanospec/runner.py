@@ -42,7 +42,10 @@ class Runner:
         host = torch.tensor(rows, device=dev)
         input_ids, positions, slot_mapping, table = host.split([Q, Q, Q, nb], 1)
         key_slots = (table[:, :, None] * bs + torch.arange(bs, device=dev)).flatten(1)[:, :C]  # key j -> slot
-        return input_ids, positions, PagedKV(self.cache, slot_mapping, key_slots)
+        index = None
+        if sum(map(len, tokens)) < len(tokens) * Q:   # ragged: pack the real tokens (model.CausalLM.forward)
+            index = torch.tensor([b * Q + i for b, t in enumerate(tokens) for i in range(len(t))], device=dev)
+        return input_ids, positions, PagedKV(self.cache, slot_mapping, key_slots, index)
 
     def slots(self, table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         bs = self.block_size
