@@ -220,6 +220,11 @@ class DraftLengthLadder:
     def current(self, name: str) -> int:
         return self.ladder[self._s[name]["rung"] if name in self._s else self.start]
 
+    @property
+    def names(self) -> list[str]:
+        """Drafters seen so far (one rung each)."""
+        return list(self._s)
+
     def acceptance_rate(self, name: str) -> float | None:
         """Rate of the last complete window; the open window's before the first; None if no data."""
         s = self._s.get(name)
@@ -376,7 +381,7 @@ class SpeculationPolicy:
         self.last_k: list[int] = []
 
     def alpha(self) -> float:
-        rates = [self.ladder.acceptance_rate(n) for n in self.ladder._s] if self.ladder else []
+        rates = [self.ladder.acceptance_rate(n) for n in self.ladder.names] if self.ladder else []
         rates = [r for r in rates if r is not None]
         if rates:
             return max(rates)
@@ -384,7 +389,7 @@ class SpeculationPolicy:
         return a / (a + r) if a + r else self.default_alpha
 
     def budgets(self, seqs, default_k: int) -> list[int]:
-        rung = max((self.ladder.current(n) for n in self.ladder._s), default=self.ladder.current("")) \
+        rung = max((self.ladder.current(n) for n in self.ladder.names), default=self.ladder.current("")) \
             if self.ladder else default_k
         ks = [rung] * len(seqs)
         if self.classes is not None:
@@ -424,9 +429,9 @@ class SpeculationPolicy:
     def stats(self) -> dict:
         out = {"spec_on_frac": self._on_steps / max(self._steps, 1)}
         if self.ladder is not None:
-            out.update({f"drafter/{n}/draft_len": self.ladder.current(n) for n in self.ladder._s})
-            out["draft_len_mean"] = float(np.mean([self.ladder.current(n) for n in self.ladder._s])) \
-                if self.ladder._s else float(self.ladder.current(""))
+            out.update({f"drafter/{n}/draft_len": self.ladder.current(n) for n in self.ladder.names})
+            out["draft_len_mean"] = float(np.mean([self.ladder.current(n) for n in self.ladder.names])) \
+                if self.ladder.names else float(self.ladder.current(""))
         return out
 
     def reset_stats(self) -> None:
