@@ -263,8 +263,7 @@ class LLM:
         finished, generated = [], 0
         for s, row, d, src in zip(seqs, host, drafts, proposal.sources):
             n_acc = int(row[0])
-            if d:
-                self._count(src, len(d), n_acc)
+            self._count(src, len(d), n_acc)
             for t, lp in zip(row[1:2 + n_acc], row[2 + K:3 + K + n_acc]):
                 t = int(t)
                 s.token_ids.append(t)
@@ -315,21 +314,8 @@ class LLM:
         self.stats["per_drafter"] = defaultdict(lambda: defaultdict(int))
 
     def summary(self) -> dict:
-        """Flat derived stats: forwards per token, mean accepted length (accepted + 1 per verify)."""
-        st = self.stats
-        out = {k: v for k, v in st.items() if k != "per_drafter"}
-        tokens = max(st["generated_tokens"], 1)
-        out["target_forwards_per_token"] = st["seq_forwards"] / tokens
-        out["mean_accepted_len"] = (st["accepted_tokens"] + st["verify_steps"]) / max(st["verify_steps"], 1)
-        out["acceptance_rate"] = st["accepted_tokens"] / max(st["proposed_tokens"], 1)
-        out["lossy"] = bool(self.drafter is not None and self.drafter.lossy)
-        for name, d in st["per_drafter"].items():
-            pre = f"drafter/{name}/"
-            out[pre + "proposed"], out[pre + "accepted"] = d["proposed"], d["accepted"]
-            out[pre + "verify_steps"] = d["verify_steps"]
-            out[pre + "acceptance_rate"] = d["accepted"] / max(d["proposed"], 1)
-            out[pre + "mean_accepted_len"] = (d["accepted"] + d["verify_steps"]) / max(d["verify_steps"], 1)
-        return out
+        """Flat derived stats of this engine (see `summarize`)."""
+        return summarize(self.stats, lossy=bool(self.drafter is not None and self.drafter.lossy))
 
     @torch.no_grad()
     def load_weights(self, state_dict: dict) -> None:
@@ -367,3 +353,21 @@ class LLM:
     @property
     def num_free_blocks(self) -> int:
         return self.blocks.num_free
+
+
+def summarize(stats: dict, lossy: bool) -> dict:
+    """Raw counters (`LLM.stats`, or their sum over ranks) -> flat derived stats: target forwards per
+    token, mean accepted length (accepted + 1 per verify step), per-drafter `drafter/<name>/...`."""
+    out = {k: v for k, v in stats.items() if k != "per_drafter"}
+    tokens = max(stats["generated_tokens"], 1)
+    out["target_forwards_per_token"] = stats["seq_forwards"] / tokens
+    out["mean_accepted_len"] = (stats["accepted_tokens"] + stats["verify_steps"]) / max(stats["verify_steps"], 1)
+    out["acceptance_rate"] = stats["accepted_tokens"] / max(stats["proposed_tokens"], 1)
+    out["lossy"] = lossy
+    for name, d in stats["per_drafter"].items():
+        pre = f"drafter/{name}/"
+        out[pre + "proposed"], out[pre + "accepted"] = d["proposed"], d["accepted"]
+        out[pre + "verify_steps"] = d["verify_steps"]
+        out[pre + "acceptance_rate"] = d["accepted"] / max(d["proposed"], 1)
+        out[pre + "mean_accepted_len"] = (d["accepted"] + d["verify_steps"]) / max(d["verify_steps"], 1)
+    return out

@@ -22,7 +22,6 @@ is sampled (speculative.verify is exact for any draft); tests/test_rollout.py ch
 from __future__ import annotations
 
 import time
-import types
 import warnings
 from collections import defaultdict
 from dataclasses import dataclass
@@ -30,7 +29,7 @@ from typing import Hashable
 
 from . import dist
 from .drafters.chain import find_drafter
-from .engine import LLM
+from .engine import LLM, summarize
 from .policies import LengthPredictor, assign_to_ranks, imbalance, rank_work
 from .sequence import SamplingParams
 from .tasks import Problem, format_prompt
@@ -212,8 +211,7 @@ class RolloutWorker:
                 for k, v in d.items():
                     per[name][k] += v
         merged["per_drafter"] = per
-        # LLM.summary's formulas over the rank-summed counters (it only reads .stats and .drafter)
-        m = LLM.summary(types.SimpleNamespace(stats=merged, drafter=self.llm.drafter))
+        m = summarize(merged, lossy=bool(self.llm.drafter is not None and self.llm.drafter.lossy))
         for key in {k for r in ranks for k in r["policy"]}:     # spec_on_frac, draft_len_mean, ...
             vals = [r["policy"][key] for r in ranks if key in r["policy"]]
             m[key] = sum(vals) / len(vals)

@@ -47,10 +47,6 @@ class Runner:
             index = torch.tensor([b * Q + i for b, t in enumerate(tokens) for i in range(len(t))], device=dev)
         return input_ids, positions, PagedKV(self.cache, slot_mapping, key_slots, index)
 
-    def slots(self, table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        bs = self.block_size
-        return table.gather(1, positions // bs) * bs + positions % bs
-
     @torch.inference_mode()
     def forward(self, seqs: list[Sequence], tokens: list[list[int]], starts: list[int]) -> torch.Tensor:
         """-> hidden states [B, Q, D]; row b is valid for its first len(tokens[b]) positions."""
