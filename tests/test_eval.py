@@ -80,12 +80,18 @@ def gsm8k_rows(tmp_path, n=4):
     return data, build_tiny_vocab_tokenizer(words + [str(i) for i in range(10)] + ["####"])
 
 
-@pytest.mark.skipif(not (GSM8K / "test.jsonl").is_file(), reason="no local GSM8K copy")
-def test_eval_gsm8k_rows_tiny_qwen3(tmp_path):
+def tiny_qwen3_on_gsm8k(tmp_path):
+    """A few GSM8K rows, a chat-template tokenizer over their words, a tiny random Qwen3 dir using it."""
     data, tok = gsm8k_rows(tmp_path)
     d = tmp_path / "qwen3"
     make_hf_model(d, "qwen3", vocab_size=len(tok), hidden_size=64, layers=2, max_pos=512)
     tok.save_pretrained(d)
+    return data, tok, d
+
+
+@pytest.mark.skipif(not (GSM8K / "test.jsonl").is_file(), reason="no local GSM8K copy")
+def test_eval_gsm8k_rows_tiny_qwen3(tmp_path):
+    data, tok, d = tiny_qwen3_on_gsm8k(tmp_path)
     res = ev.main(["--model", str(d), "--task", "gsm8k", "--data", str(data / "test.jsonl"), "--n", "4",
                    "--k", "2", "--max-tokens", "12", "--threads", "1"])
     check(res, 4)
@@ -98,10 +104,7 @@ def test_gsm8k_config_trains_one_step_tiny_qwen3(tmp_path):
     from nanospec.config import load_config
     from nanospec.grpo import Trainer
     from nanospec.report import load_metrics
-    data, tok = gsm8k_rows(tmp_path)
-    d = tmp_path / "qwen3"
-    make_hf_model(d, "qwen3", vocab_size=len(tok), hidden_size=64, layers=2, max_pos=512)
-    tok.save_pretrained(d)
+    data, tok, d = tiny_qwen3_on_gsm8k(tmp_path)
     run = tmp_path / "run"
     cfg = load_config(ROOT / "configs" / "gsm8k_qwen3.yaml", [
         f"--model.path={d}", f"--task.data_path={data}", "--task.num_train=4", "--task.num_test=2",
