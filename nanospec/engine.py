@@ -29,7 +29,7 @@ from .model import CausalLM
 from .runner import Runner
 from .sampler import SamplingTensors
 from .scheduler import Scheduler
-from .sequence import SamplingParams, Sequence, Status
+from .sequence import SamplingParams, Sequence
 
 
 @dataclass

@@ -34,6 +34,15 @@ class Proposal:
             self.sources = [""] * len(self.tokens)
 
 
+def check_budget(seqs: list[Sequence], num_tokens: list[int]) -> None:
+    """The propose() contract shared by every drafter: one non-negative budget per sequence."""
+    if len(num_tokens) != len(seqs):
+        raise ValueError(f"num_tokens: expected one budget per sequence ({len(seqs)}), got {len(num_tokens)}")
+    for k in num_tokens:
+        if k < 0:
+            raise ValueError(f"num_tokens: budgets must be >= 0, got {k}")
+
+
 class Drafter:
     name: str = "drafter"
     stochastic: bool = False   # True: propose() fills Proposal.q
@@ -41,7 +50,14 @@ class Drafter:
     lossy: bool = False        # True only for explicitly lossy modes (e.g. prior-rollout lenience)
 
     def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> Proposal:
-        """Draft up to num_tokens[i] tokens after seqs[i].token_ids (fewer, or none, is fine)."""
+        """Draft up to num_tokens[i] tokens after seqs[i].token_ids (fewer, or none, is fine).
+        Default: one `draft_one` call per sequence (the deterministic, per-sequence drafters)."""
+        check_budget(seqs, num_tokens)
+        tokens = [self.draft_one(s, k) if k > 0 else [] for s, k in zip(seqs, num_tokens)]
+        return Proposal(tokens=tokens, sources=[self.name if t else "" for t in tokens])
+
+    def draft_one(self, seq: Sequence, k: int) -> list[int]:
+        """At most k draft tokens for one sequence (used by the default `propose`)."""
         raise NotImplementedError
 
     def observe(self, seq: Sequence) -> None:

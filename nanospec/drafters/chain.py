@@ -18,7 +18,8 @@ import torch
 
 from ..sequence import Sequence
 from .base import Drafter, Proposal
-from .ngram import NgramDrafter, check_budget
+from .base import check_budget
+from .ngram import NgramDrafter
 from .prior import PriorRolloutDrafter
 from .suffix import SuffixDrafter
 

@@ -11,16 +11,7 @@ only with the tokens appended since the last call (O(n_max * new tokens + k) per
 from __future__ import annotations
 
 from ..sequence import Sequence
-from .base import Drafter, Proposal
-
-
-def check_budget(seqs: list[Sequence], num_tokens: list[int]) -> None:
-    """The propose() contract shared by every drafter: one non-negative budget per sequence."""
-    if len(num_tokens) != len(seqs):
-        raise ValueError(f"num_tokens: expected one budget per sequence ({len(seqs)}), got {len(num_tokens)}")
-    for k in num_tokens:
-        if k < 0:
-            raise ValueError(f"num_tokens: budgets must be >= 0, got {k}")
+from .base import Drafter
 
 
 class NgramDrafter(Drafter):
@@ -44,7 +35,7 @@ class NgramDrafter(Drafter):
         self._state[seq.seq_id] = (max(done, end), index)
         return index
 
-    def _draft(self, seq: Sequence, k: int) -> list[int]:
+    def draft_one(self, seq: Sequence, k: int) -> list[int]:
         index, toks = self._index(seq), seq.token_ids
         L = len(toks)
         for n in range(min(self.n_max, L - 1), self.n_min - 1, -1):
@@ -56,11 +47,6 @@ class NgramDrafter(Drafter):
                     draft.append(toks[p] if p < L else draft[p - L])
                 return draft
         return []
-
-    def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> Proposal:
-        check_budget(seqs, num_tokens)
-        tokens = [self._draft(s, k) if k > 0 else [] for s, k in zip(seqs, num_tokens)]
-        return Proposal(tokens=tokens, sources=[self.name if t else "" for t in tokens])
 
     def free(self, seq: Sequence) -> None:
         self._state.pop(seq.seq_id, None)

@@ -26,7 +26,7 @@ import torch
 
 from ..sequence import Sequence
 from .base import Drafter, Proposal
-from .ngram import check_budget
+from .base import check_budget
 
 
 class _Entry:

@@ -21,8 +21,7 @@ from __future__ import annotations
 from collections import deque
 
 from ..sequence import Sequence
-from .base import Drafter, Proposal
-from .ngram import check_budget
+from .base import Drafter
 
 
 class _Node:
@@ -167,7 +166,7 @@ class SuffixDrafter(Drafter):
         self._match[seq.seq_id][slot] = (trie, trie.version, L, node)
         return node
 
-    def _draft(self, seq: Sequence, k: int) -> list[int]:
+    def draft_one(self, seq: Sequence, k: int) -> list[int]:
         tree = self._tree(seq)
         node = self._match_node(seq, "prompt", tree)
         draft = tree.draft(node, k, self.alpha, self.min_prob)
@@ -176,11 +175,6 @@ class SuffixDrafter(Drafter):
             if not draft or g.depth > node.depth:
                 draft = self._global.draft(g, k, self.alpha, self.min_prob) or draft
         return draft
-
-    def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> Proposal:
-        check_budget(seqs, num_tokens)
-        tokens = [self._draft(s, k) if k > 0 else [] for s, k in zip(seqs, num_tokens)]
-        return Proposal(tokens=tokens, sources=[self.name if t else "" for t in tokens])
 
     def free(self, seq: Sequence) -> None:
         self._match.pop(seq.seq_id, None)
