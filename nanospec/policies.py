@@ -11,7 +11,7 @@ from __future__ import annotations
 import bisect
 import math
 import statistics
-from collections import deque
+from collections import defaultdict, deque
 from typing import Callable, Hashable, Sequence
 
 import numpy as np
@@ -240,8 +240,11 @@ class LengthPredictor:
     """Response-length prediction per prompt (DAS) from that prompt's earlier rollouts.
 
     Per prompt: an EMA (weight `decay` on the newest) of a group statistic, by default the max over
-    the G samples (a GRPO group is done when its slowest sample is). Unseen prompts get the running
-    mean of every group statistic observed, or `prior` before the first observation.
+    the G samples (a GRPO group is done when its slowest sample is). Unseen prompts: a least-squares
+    line in the prompt's length, fitted on every group observed so far (on the embedded task a k-step
+    answer has 4k+2 tokens and a 2k+1-word prompt, and long questions tend to have long answers in
+    general), so balancing works from the first step instead of giving every new prompt one mean;
+    the running mean when all prompts seen had one length; `prior` before any observation.
     """
 
     def __init__(self, prior: float = 64.0, decay: float = 0.5, reduce: str = "max"):
@@ -250,30 +253,39 @@ class LengthPredictor:
         _check(reduce in ("max", "mean"), "reduce", "'max' or 'mean'", reduce)
         self.prior, self.decay, self.reduce = float(prior), decay, reduce
         self.ema: dict[Hashable, float] = {}
-        self.total, self.count = 0.0, 0
+        self.sums = [0.0] * 5       # n, sum x, sum y, sum x^2, sum xy; x = prompt length, y = statistic
 
-    def observe(self, prompt_key: Hashable, lengths: Sequence[int]) -> None:
+    def observe(self, prompt_key: Hashable, lengths: Sequence[int], prompt_len: int = 0) -> None:
         _check(len(lengths) > 0 and all(x >= 0 for x in lengths), "lengths",
                "a non-empty list of lengths >= 0", lengths)
-        x = float(max(lengths) if self.reduce == "max" else sum(lengths) / len(lengths))
+        _check(prompt_len >= 0, "prompt_len", "a length >= 0", prompt_len)
+        y = float(max(lengths) if self.reduce == "max" else sum(lengths) / len(lengths))
         old = self.ema.get(prompt_key)
-        self.ema[prompt_key] = x if old is None else (1 - self.decay) * old + self.decay * x
-        self.total, self.count = self.total + x, self.count + 1
+        self.ema[prompt_key] = y if old is None else (1 - self.decay) * old + self.decay * y
+        for i, v in enumerate((1.0, prompt_len, y, prompt_len * prompt_len, prompt_len * y)):
+            self.sums[i] += v
 
-    def predict(self, prompt_key: Hashable) -> float:
+    def predict(self, prompt_key: Hashable, prompt_len: int = 0) -> float:
         if prompt_key in self.ema:
             return self.ema[prompt_key]
-        return self.total / self.count if self.count else self.prior
+        n, sx, sy, sxx, sxy = self.sums
+        if n == 0:
+            return self.prior
+        var = n * sxx - sx * sx
+        if var <= 1e-9 * max(n * sxx, 1.0):       # one prompt length seen: no slope to fit
+            return sy / n
+        slope = (n * sxy - sx * sy) / var
+        return max(0.0, (sy - slope * sx) / n + slope * prompt_len)
 
     def state_dict(self) -> dict:
         return {"prior": self.prior, "decay": self.decay, "reduce": self.reduce,
-                "total": self.total, "count": self.count, "ema": dict(self.ema)}
+                "sums": list(self.sums), "ema": dict(self.ema)}
 
     def load_state_dict(self, state: dict) -> None:
-        missing = {"prior", "decay", "reduce", "total", "count", "ema"} - set(state)
+        missing = {"prior", "decay", "reduce", "sums", "ema"} - set(state)
         _check(not missing, "state", f"a LengthPredictor state_dict (missing {sorted(missing)})", sorted(state))
         self.__init__(state["prior"], state["decay"], state["reduce"])
-        self.total, self.count, self.ema = float(state["total"]), int(state["count"]), dict(state["ema"])
+        self.sums, self.ema = [float(v) for v in state["sums"]], dict(state["ema"])
 
 
 def assign_to_ranks(predicted_work: Sequence[float], world_size: int) -> list[list[int]]:
@@ -363,53 +375,89 @@ class LengthClasses:
 class SpeculationPolicy:
     """The engine's one hook into the policies above (`LLM(..., policy=SpeculationPolicy(...))`).
 
-    Per decode step: `budgets` gives each sequence its draft-length cap = min(ladder rung of the
-    drafter, length-class budget of max(predicted, current) response length), or 0 for all when the
-    toggle predicts speculation would not pay this step. After the drafter proposes, `clip` cuts each
-    row to the rung of the drafter that actually proposed it. The engine reports back draft time,
-    forward time and acceptance, which keep the latency model, the toggle and the ladder current.
-    The toggle probes every `probe_every` steps while off, so acceptance is still measured.
+    Per decode step: `budgets` gives each sequence its draft-length cap = min(ladder rung, length-class
+    budget of max(predicted, current) response length). After the drafter proposes, `clip` cuts each
+    row to the rung of the drafter that actually proposed it and, with a toggle, to 0 where *that
+    drafter* would not pay this step: the toggle decides per source, so a weak suffix tree is switched
+    off without also switching off good prior-rollout or bubble drafts (one pooled rate would do
+    both or neither). When no drafter pays, nothing is drafted at all (no draft time either).
+    Probes: an off drafter still drafts for `probe_rows` rows on a probe step, so its acceptance keeps
+    being measured; the gap between probes doubles while it stays off (`probe_every` up to
+    `probe_every_max` steps). With ragged steps packing their real tokens (model.py) a probe costs
+    ~probe_rows * k extra tokens, which keeps an always-wrong drafter within ~1% of plain AR.
+    The engine reports back draft time, forward time and acceptance, which keep the latency model,
+    the toggle and the ladder current.
     """
 
     def __init__(self, *, ladder: DraftLengthLadder | None = None, classes: LengthClasses | None = None,
-                 toggle: SpeculationToggle | None = None, default_alpha: float = 0.8, probe_every: int = 16):
+                 toggle: SpeculationToggle | None = None, default_alpha: float = 0.8, probe_every: int = 16,
+                 probe_every_max: int = 256, probe_rows: int = 4):
+        _check(_is_int(probe_every) and 1 <= probe_every <= probe_every_max, "probe_every",
+               f"an int in [1, probe_every_max={probe_every_max}]", probe_every)
+        _check(_is_int(probe_rows) and probe_rows >= 1, "probe_rows", "an int >= 1", probe_rows)
         self.ladder, self.classes, self.toggle = ladder, classes, toggle
-        self.default_alpha, self.probe_every = default_alpha, probe_every
+        self.default_alpha, self.probe_every, self.probe_every_max = default_alpha, probe_every, probe_every_max
+        self.probe_rows = probe_rows
         self.draft_time = None      # EMA seconds of one propose() call
-        self._acc = [0, 0]          # pooled accepted, rejections (for alpha when the ladder is off)
+        self._tally: dict[str, list[float]] = {}    # per source: recent accepted, rejections
+        self._gap: dict[str, list[int]] = {}        # per source: [steps since last probe, probe gap]
+        self._pays: dict[str, bool | None] = {}     # this step, per source: on, off, None = probe
         self._steps = self._on_steps = 0
-        self.last_k: list[int] = []
 
-    def alpha(self) -> float:
-        rates = [self.ladder.acceptance_rate(n) for n in self.ladder.names] if self.ladder else []
-        rates = [r for r in rates if r is not None]
-        if rates:
-            return max(rates)
-        a, r = self._acc
-        return a / (a + r) if a + r else self.default_alpha
+    def alpha(self, source: str) -> float:
+        """Per-token acceptance of `source` (ladder window rate, else recent tally, else the default)."""
+        rate = self.ladder.acceptance_rate(source) if self.ladder is not None else None
+        if rate is None and source in self._tally:
+            a, r = self._tally[source]
+            rate = a / (a + r) if a + r else None
+        return self.default_alpha if rate is None else rate
+
+    def _rung(self, source: str, default_k: int) -> int:
+        return self.ladder.current(source) if self.ladder is not None else default_k
 
     def budgets(self, seqs, default_k: int) -> list[int]:
-        rung = max((self.ladder.current(n) for n in self.ladder.names), default=self.ladder.current("")) \
-            if self.ladder else default_k
-        ks = [rung] * len(seqs)
+        sources = (self.ladder.names if self.ladder is not None else list(self._tally)) or [""]
+        k = max(self._rung(n, default_k) for n in sources)
+        ks = [k] * len(seqs)
         if self.classes is not None:
             ks = [min(k, self.classes.budget(max(getattr(s, "predicted_len", 0) or 0, s.num_completion_tokens)))
                   for k, s in zip(ks, seqs)]
         self._steps += 1
+        self._pays = {}
         if self.toggle is not None and any(ks):
-            k = max(ks)
             ctx = sum(len(s) for s in seqs) / len(seqs)
-            on, _ = self.toggle.decide(len(seqs), ctx, k, expected_accepted(self.alpha(), k), self.draft_time or 0.0)
-            if not on and self._steps % self.probe_every:
-                ks = [0] * len(seqs)
-        self._on_steps += any(ks)
-        self.last_k = ks
+            for n in sources:
+                kn = min(self._rung(n, default_k), max(ks))
+                on, _ = self.toggle.decide(len(seqs), ctx, kn, expected_accepted(self.alpha(n), kn),
+                                           self.draft_time or 0.0)
+                gap = self._gap.setdefault(n, [0, self.probe_every])
+                if on:
+                    gap[:] = [0, self.probe_every]
+                else:   # off: probe (None) once the gap has passed, then double the gap
+                    gap[0] += 1
+                    if gap[0] >= gap[1]:
+                        gap[:] = [0, min(2 * gap[1], self.probe_every_max)]
+                        on = None
+                self._pays[n] = on
+            if all(v is False for v in self._pays.values()):
+                ks = [0] * len(seqs)            # no known drafter pays or probes: do not even draft
         return ks
 
     def clip(self, proposal, budgets):
-        if self.ladder is not None:
-            proposal.tokens = [t[:min(b, self.ladder.current(src))]
-                               for t, b, src in zip(proposal.tokens, budgets, proposal.sources)]
+        """Cut row i to min(budget, its source's rung), or to 0 when its source is toggled off
+        (probe steps keep the first `probe_rows` rows of that source)."""
+        probed = defaultdict(int)
+        out = []
+        for t, b, src in zip(proposal.tokens, budgets, proposal.sources):
+            k = min(b, self.ladder.current(src)) if self.ladder is not None else b
+            pays = self._pays.get(src, True)   # a source not seen yet drafts: its first measurement
+            if pays is False or (pays is None and probed[src] >= self.probe_rows):
+                k = 0
+            elif pays is None and t:
+                probed[src] += 1
+            out.append(t[:k])
+        proposal.tokens = out
+        self._on_steps += any(out)
         return proposal
 
     def observe_draft_time(self, seconds: float) -> None:
@@ -418,11 +466,15 @@ class SpeculationPolicy:
     def observe_forward(self, batch_size: int, seqs, tokens, seconds: float) -> None:
         if self.toggle is not None:
             ctx = sum(len(s) for s in seqs) / len(seqs)
-            self.toggle.latency.observe(batch_size, ctx, max(len(t) for t in tokens), seconds)
+            # packed ragged steps cost ~ the real tokens: Q = mean tokens per sequence
+            self.toggle.latency.observe(batch_size, ctx, sum(map(len, tokens)) / len(tokens), seconds)
 
     def observe_acceptance(self, source: str, proposed: int, accepted: int) -> None:
-        self._acc[0] += accepted
-        self._acc[1] += int(accepted < proposed)
+        t = self._tally.setdefault(source, [0.0, 0.0])
+        t[0] += accepted
+        t[1] += int(accepted < proposed)
+        if t[0] + t[1] > 256:                  # halve: the tally follows the current policy weights
+            t[0], t[1] = t[0] / 2, t[1] / 2
         if self.ladder is not None:
             self.ladder.update(source, proposed, accepted)
 
@@ -436,6 +488,7 @@ class SpeculationPolicy:
 
     def reset_stats(self) -> None:
         self._steps = self._on_steps = 0
+        self._gap.clear()       # new rollout step = new weights and histories: probe early again
         if self.toggle is not None:
             self.toggle.reset_stats()
 

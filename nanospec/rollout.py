@@ -110,6 +110,10 @@ class RolloutWorker:
             self._ids[problem.prompt] = format_prompt(self.tokenizer, problem.prompt)
         return self._ids[problem.prompt]
 
+    def predict(self, problem: Problem) -> float:
+        """Predicted response length (max over the group) of `problem`."""
+        return self.predictor.predict(problem.prompt, len(self.prompt_ids(problem)))
+
     def _add(self, problem: Problem, predicted: float, request_id: int) -> list:
         seqs = self.llm.add_request(self.prompt_ids(problem), self.params, request_id, problem.prompt)
         for s in seqs:
@@ -125,7 +129,7 @@ class RolloutWorker:
             raise RuntimeError("RolloutWorker.run: the engine still holds requests from elsewhere")
         if hasattr(llm.drafter, "next_step"):
             llm.drafter.next_step()
-        pred = [self.predictor.predict(p.prompt) for p in problems]
+        pred = [self.predict(p) for p in problems]
         assignment = assign_prompts(pred, self.world, self.cfg.policies.length_aware_assignment)
         llm.reset_stats()
         if llm.policy is not None:
@@ -163,7 +167,7 @@ class RolloutWorker:
         at once: a bubble step must stay short, since the last rank waits for the one in flight when
         it finishes. Finished bubble responses must not enter the local prior cache as "prior" (they
         are shared as "bubble" instead), so the prior drafter's observe is muted meanwhile."""
-        pred = [self.predictor.predict(p.prompt) for p in upcoming]
+        pred = [self.predict(p) for p in upcoming]
         order = sorted(range(len(upcoming)), key=lambda j: (-pred[j], j))
         share = set(order[self.rank::self.world])
         order = [j for j in order if j in share] + [j for j in order if j not in share]
@@ -198,7 +202,7 @@ class RolloutWorker:
                 self.prior.add(key, ids, lps, source="bubble")
         lengths = {i: ls for r in ranks for i, ls in r["lengths"].items()}
         for i, p in enumerate(problems):        # same order on every rank -> identical predictors
-            self.predictor.observe(p.prompt, lengths[i])
+            self.predictor.observe(p.prompt, lengths[i], len(self.prompt_ids(p)))
         merged, per = defaultdict(int), defaultdict(lambda: defaultdict(int))
         for k in ("target_forwards", "seq_forwards", "generated_tokens", "prefill_tokens", "verify_steps",
                   "proposed_tokens", "accepted_tokens"):

@@ -93,7 +93,7 @@ def test_greedy_all_policies_identical_to_ar(model_dir, tok, reference):
     w = RolloutWorker(make_llm(model_dir, tok, cfg=cfg), tok, None, cfg)
     proposed = prior_accepted = 0
     for step, batch in enumerate([probs[0:4], probs[2:6], probs[2:6]]):
-        order = assign_prompts([w.predictor.predict(p.prompt) for p in batch], 1, True)[0]
+        order = assign_prompts([w.predict(p) for p in batch], 1, True)[0]
         samples, m = w.run(step, batch, probs[4:8])
         check_greedy(samples, reference, f"step {step}")
         assert [s.prompt_key for s in samples[::G]] == [batch[i].prompt for i in order]   # whole groups, LPT order
@@ -104,7 +104,7 @@ def test_greedy_all_policies_identical_to_ar(model_dir, tok, reference):
     assert proposed > 0 and prior_accepted > 0
     w2 = RolloutWorker(w.llm, tok, None, cfg)
     w2.load_state_dict(w.state_dict())
-    assert w2.predictor.predict(probs[2].prompt) == w.predictor.predict(probs[2].prompt) == MAX_TOKENS
+    assert w2.predict(probs[2]) == w.predict(probs[2]) == MAX_TOKENS
     with pytest.raises(ValueError, match="world_size"):
         RolloutWorker(w.llm, tok, None, cfg, rank=0, world_size=2)        # no process group
 
@@ -229,7 +229,7 @@ def _worker_case(rank, model_dir, tok):
     for p, L in zip(probs[8:16], LONG_TAIL):      # identical observations on both ranks
         for _ in range(4):
             w.predictor.observe(p.prompt, [L])
-    pred = [w.predictor.predict(p.prompt) for p in probs[8:16]]
+    pred = [w.predict(p) for p in probs[8:16]]
     samples, m = w.run(2, probs[8:16], [])
     res.append(dict(samples=[(s.prompt_key, s.completion_ids, s.logprobs) for s in samples], m=m, pred=pred))
     with warnings.catch_warnings(record=True) as rec:      # both ranks seed 7: must be told and reseeded
