@@ -227,7 +227,7 @@ class LLM:
         proposal = self.drafter.propose(seqs, budgets)
         if self.policy is not None:
             proposal = self.policy.clip(proposal, budgets)
-            self.policy.observe_draft_time(time.perf_counter() - t0)
+            self.policy.observe_draft_time(time.perf_counter() - t0, len(seqs))
         for i, k in enumerate(budgets):
             assert len(proposal.tokens[i]) <= k, f"drafter {proposal.sources[i]} proposed past its budget"
         return proposal

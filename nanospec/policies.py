@@ -391,14 +391,15 @@ class SpeculationPolicy:
 
     def __init__(self, *, ladder: DraftLengthLadder | None = None, classes: LengthClasses | None = None,
                  toggle: SpeculationToggle | None = None, default_alpha: float = 0.8, probe_every: int = 16,
-                 probe_every_max: int = 256, probe_rows: int = 4):
+                 probe_every_max: int = 256, probe_rows: int = 4, sources: Sequence[str] = ()):
         _check(_is_int(probe_every) and 1 <= probe_every <= probe_every_max, "probe_every",
                f"an int in [1, probe_every_max={probe_every_max}]", probe_every)
         _check(_is_int(probe_rows) and probe_rows >= 1, "probe_rows", "an int >= 1", probe_rows)
         self.ladder, self.classes, self.toggle = ladder, classes, toggle
         self.default_alpha, self.probe_every, self.probe_every_max = default_alpha, probe_every, probe_every_max
         self.probe_rows = probe_rows
-        self.draft_time = None      # EMA seconds of one propose() call
+        self.sources = list(sources)   # the drafter's source names (Drafter.sources); more are learned
+        self.draft_time = None      # EMA seconds of propose() per sequence (drafting is per row)
         self._tally: dict[str, list[float]] = {}    # per source: recent accepted, rejections
         self._gap: dict[str, list[int]] = {}        # per source: [steps since last probe, probe gap]
         self._pays: dict[str, bool | None] = {}     # this step, per source: on, off, None = probe
@@ -416,7 +417,8 @@ class SpeculationPolicy:
         return self.ladder.current(source) if self.ladder is not None else default_k
 
     def budgets(self, seqs, default_k: int) -> list[int]:
-        sources = (self.ladder.names if self.ladder is not None else list(self._tally)) or [""]
+        seen = self.ladder.names if self.ladder is not None else list(self._tally)
+        sources = list(dict.fromkeys(self.sources + seen)) or [""]
         k = max(self._rung(n, default_k) for n in sources)
         ks = [k] * len(seqs)
         if self.classes is not None:
@@ -429,7 +431,7 @@ class SpeculationPolicy:
             for n in sources:
                 kn = min(self._rung(n, default_k), max(ks))
                 on, _ = self.toggle.decide(len(seqs), ctx, kn, expected_accepted(self.alpha(n), kn),
-                                           self.draft_time or 0.0)
+                                           (self.draft_time or 0.0) * len(seqs))
                 gap = self._gap.setdefault(n, [0, self.probe_every])
                 if on:
                     gap[:] = [0, self.probe_every]
@@ -460,8 +462,11 @@ class SpeculationPolicy:
         self._on_steps += any(out)
         return proposal
 
-    def observe_draft_time(self, seconds: float) -> None:
-        self.draft_time = seconds if self.draft_time is None else 0.8 * self.draft_time + 0.2 * seconds
+    def observe_draft_time(self, seconds: float, num_seqs: int = 1) -> None:
+        """One propose() call over `num_seqs` sequences: kept per sequence, so the cost measured on a
+        full batch is not charged in full to a tail step of one straggler."""
+        per = seconds / max(num_seqs, 1)
+        self.draft_time = per if self.draft_time is None else 0.8 * self.draft_time + 0.2 * per
 
     def observe_forward(self, batch_size: int, seqs, tokens, seconds: float) -> None:
         if self.toggle is not None:
@@ -507,4 +512,5 @@ def build_policy(cfg, llm) -> SpeculationPolicy | None:
         latency.calibrate(llm.time_forward, batch_sizes=[b for b in (1, 8, 32) if b <= llm.scheduler.max_num_seqs], ctx_lens=[ctx // 2, ctx],
                           query_lens=[1, 4, 8], repeats=3)
         toggle = SpeculationToggle(latency, cfg.toggle_min_speedup)
-    return SpeculationPolicy(ladder=ladder, classes=classes, toggle=toggle)
+    return SpeculationPolicy(ladder=ladder, classes=classes, toggle=toggle,
+                             sources=llm.drafter.sources if llm.drafter is not None else ())

@@ -153,7 +153,7 @@ def test_bubble_drafts_are_exact_chi_square(tmp_path):
     llm.load_weights({k: v + 0.3 * v.std() * torch.randn(v.shape, generator=g) if v.dim() == 2 else v
                       for k, v in true.items()})
     pre = RolloutWorker(llm, tok, None, Config(grpo=GRPOConfig(num_generations=16, max_completion_length=4)))
-    drafts = pre._bubble(FakeSignal(2), [problem])                # prefill + 1 decode step, then abort
+    drafts = pre._bubble(FakeSignal(2), [problem] * 16)           # prefill + 1 decode step, then abort
     assert len(drafts) == 16 and not llm.scheduler.has_work() and llm.num_free_blocks == 20_000
     assert any(len(ids) < 4 and ids[-1] != tok.eos_token_id for _, ids, _ in drafts), "no partial draft kept"
     assert not w.prior._cache, "bubble responses leaked into the prior cache as 'prior'"

@@ -49,6 +49,11 @@ class Drafter:
     needs_kv: bool = False     # True: the engine runs prefill(seqs) for it (own KV cache)
     lossy: bool = False        # True only for explicitly lossy modes (e.g. prior-rollout lenience)
 
+    @property
+    def sources(self) -> tuple[str, ...]:
+        """Every name this drafter can put in Proposal.sources (the policy tracks each one)."""
+        return (self.name,)
+
     def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> Proposal:
         """Draft up to num_tokens[i] tokens after seqs[i].token_ids (fewer, or none, is fine).
         Default: one `draft_one` call per sequence (the deterministic, per-sequence drafters)."""

@@ -35,6 +35,10 @@ class ChainDrafter(Drafter):
         self.needs_kv = any(d.needs_kv for d in self.drafters)
         self.lossy = any(d.lossy for d in self.drafters)
 
+    @property
+    def sources(self) -> tuple[str, ...]:
+        return tuple(n for d in self.drafters for n in d.sources)
+
     def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> Proposal:
         check_budget(seqs, num_tokens)
         B = len(seqs)

@@ -54,6 +54,8 @@ class PriorRolloutDrafter(Drafter):
         self._next_id = 0
         self._state: dict[int, tuple[int, int, list[_Entry]]] = {}   # seq_id -> (checked, next id, matches)
 
+    sources = ("prior", "bubble")      # bubble drafts (rollout.py) keep their own name and stats
+
     def add(self, prompt_key, token_ids: list[int], logprobs: list[float] | None = None,
             source: str = "prior") -> None:
         """Cache a response for prompt_key. logprobs (the policy's, per token) are needed only by the
