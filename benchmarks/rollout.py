@@ -1,6 +1,7 @@
 """Rollout-policy ablation on 2 data-parallel gloo ranks (1 thread each), GRPO-like steps.
 
-Each row adds one policy to the row above -- AR; +spec (prior+suffix drafters); +bubble drafting
+Each row adds one policy to the row above -- AR (and AR with length-aware assignment alone, to see
+balancing without speculation's noise); +spec (prior+suffix drafters); +bubble drafting
 (BubbleSpec); +length-aware assignment and length-class budgets (DAS); +toggle; +adaptive draft
 length -- then a forced-bad drafter without and with the toggle. Every variant has its own engines
 (one core per rank) and runs the same `--steps` consecutive rollout steps, interleaved step by step
@@ -28,6 +29,7 @@ NONE = dict(bubble_drafting=False, length_aware_assignment=False, length_classes
             adaptive_draft_length=False)
 VARIANTS = [
     ("AR", None, {}),
+    ("AR + length-aware assign", None, dict(length_aware_assignment=True)),
     ("+spec (prior+suffix)", SPEC, {}),
     ("+bubble drafting", SPEC, dict(bubble_drafting=True)),
     ("+length-aware (assign+classes)", SPEC, dict(bubble_drafting=True, length_aware_assignment=True,

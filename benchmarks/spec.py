@@ -3,7 +3,9 @@
 Workload = the embedded task with the SFT model (runs/sft, made by `make train`; pass
 `--model DIR` to use another). Every variant gets a fresh engine, one untimed *history* pass over the
 same prompts (what the previous GRPO step would have left behind: prior rollouts, suffix trees), then
-a timed pass. Distinct seeds per pass, so the timed pass is new samples, not a replay. Samples
+`--reps` timed passes, each a GRPO-like step (drafter `next_step()` in between). Distinct seeds per
+pass, so a timed pass is new samples, not a replay. The "toggle+ladder" row adds the engine-level
+policies (per-drafter cost-model toggle, draft-length ladder; policies.py). Samples
 differ between variants (same distribution, different draws), so `speedup` compares tokens/s;
 `wall_speedup` compares the batch's wall time.
 Without the SFT model the workload falls back to G samples of one repeated prompt on a random model.
@@ -22,6 +24,7 @@ VARIANTS = [
     ("suffix", {"method": "suffix", "num_draft_tokens": 8}),
     ("prior", {"method": "prior", "num_draft_tokens": 8}),
     ("prior+suffix", [{"method": "prior", "num_draft_tokens": 8}, {"method": "suffix", "num_draft_tokens": 8}]),
+    ("prior+suffix, toggle+ladder", [{"method": "prior", "num_draft_tokens": 8}, {"method": "suffix", "num_draft_tokens": 8}]),
     ("self (nf4)", {"method": "self", "num_draft_tokens": 4}),
 ]
 
@@ -39,6 +42,7 @@ def run(args) -> list[dict]:
     ap.add_argument("--model", default="runs/sft")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--G", type=int, default=8)
+    ap.add_argument("--reps", type=int, default=3, help="timed passes after the history pass")
     opts, _ = ap.parse_known_args(args.extra)
     num_prompts = 4 if args.quick else opts.prompts
     if Path(opts.model, "config.json").is_file():
@@ -58,17 +62,28 @@ def run(args) -> list[dict]:
         except ValueError as e:   # e.g. nf4 needs in_features % 32 == 0: say so, measure the rest
             print(f"spec suite: {name} skipped: {e}")
             continue
+        if "toggle" in name:   # the engine-level policies: per-drafter cost-model toggle, draft-length ladder
+            from nanospec.config import PoliciesConfig
+            from nanospec.policies import build_policy
+            llm.policy = build_policy(PoliciesConfig(bubble_drafting=False, length_aware_assignment=False,
+                                                     length_classes=[]), llm)
         keys = list(range(len(prompts)))
         sp = lambda seed: SamplingParams(temperature=1.0, max_tokens=112, n=opts.G, seed=seed)
         llm.generate(prompts, sp(1), use_tqdm=False, prompt_keys=keys)          # history pass
         if llm.drafter is not None and hasattr(llm.drafter, "next_step"):
             llm.drafter.next_step()
         llm.reset_stats()
-        t0 = time.perf_counter()
-        outs = llm.generate(prompts, sp(2), use_tqdm=False, prompt_keys=keys)
-        seconds = time.perf_counter() - t0
+        if llm.policy is not None:
+            llm.policy.reset_stats()
+        seconds, tokens = 0.0, 0
+        for rep in range(opts.reps):      # timed passes: new samples each (a steadier number than one)
+            if rep and llm.drafter is not None and hasattr(llm.drafter, "next_step"):
+                llm.drafter.next_step()
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts, sp(2 + rep), use_tqdm=False, prompt_keys=keys)
+            seconds += time.perf_counter() - t0
+            tokens += sum(len(o.token_ids) for o in outs)
         s = llm.summary()
-        tokens = sum(len(o.token_ids) for o in outs)
         base = base or (seconds, tokens / seconds)
         rows.append(dict(name=name, workload=label, tokens=tokens, seconds=seconds, tokens_per_s=tokens / seconds,
                          target_forwards=s["target_forwards"],
