@@ -163,9 +163,9 @@ class RolloutWorker:
         """Pre-generate upcoming prompts until every rank is done -> [(prompt_key, ids, logprobs)].
         One *greedy* response per prompt: a deterministic draft token x is accepted with probability
         p(x) (speculative.py), which the mode maximises, and all G samples of the group verify against
-        the same draft, so one greedy draft serves the group better than G sampled ones (measured:
-        accepted bubble tokens per generated one 0.15 with G samples at T=1). The draft never changes
-        what is sampled: verification is exact for any draft.
+        the same draft, so one greedy draft serves the group better than G sampled ones (measured,
+        accepted bubble tokens per generated one: 0.15 with G samples at T=1, 0.37-0.55 greedy).
+        The draft never changes what is sampled: verification is exact for any draft.
         Order: this rank's round-robin share of the upcoming prompts by decreasing predicted length
         (long prompts set the next step's tail; ranks start on different prompts), then the rest.
         At most `cap` bubble sequences run at once: a bubble step must stay short, since the last
