@@ -30,11 +30,13 @@ def main(argv=None) -> int:
     cfg = load_config(args.config, overrides)      # config errors surface before any process group
     torch.set_num_threads(cfg.run.num_threads)
     dist.init_distributed("nccl" if cfg.rollout.device.startswith("cuda") else "gloo")
+    ok = False
     try:
         from nanospec.grpo import Trainer
         Trainer(cfg).train()
+        ok = True
     finally:
-        dist.cleanup()
+        dist.cleanup(sync=ok)
     return 0
 
 

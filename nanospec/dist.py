@@ -56,8 +56,13 @@ def barrier() -> None:
         dist.barrier()
 
 
-def cleanup() -> None:
+def cleanup(sync: bool = True) -> None:
+    """Leave the process group. `sync`: barrier first, so that rank 0, which hosts the TCPStore, does
+    not tear it down while another rank is still finishing (seen as a SIGABRT "terminate called
+    without an active exception" in that rank). Pass False on an error path: a barrier would hang."""
     if is_dist():
+        if sync:
+            dist.barrier()
         dist.destroy_process_group()
 
 
