@@ -18,14 +18,15 @@ import torch
 
 from nanospec import LLM, SamplingParams
 
-VARIANTS = [
-    ("AR", None),
-    ("ngram", {"method": "ngram", "num_draft_tokens": 8}),
-    ("suffix", {"method": "suffix", "num_draft_tokens": 8}),
-    ("prior", {"method": "prior", "num_draft_tokens": 8}),
-    ("prior+suffix", [{"method": "prior", "num_draft_tokens": 8}, {"method": "suffix", "num_draft_tokens": 8}]),
-    ("prior+suffix, toggle+ladder", [{"method": "prior", "num_draft_tokens": 8}, {"method": "suffix", "num_draft_tokens": 8}]),
-    ("self (nf4)", {"method": "self", "num_draft_tokens": 4}),
+PRIOR, SUFFIX = {"method": "prior", "num_draft_tokens": 8}, {"method": "suffix", "num_draft_tokens": 8}
+VARIANTS = [    # (name, speculative config, engine-level policies on)
+    ("AR", None, False),
+    ("ngram", {"method": "ngram", "num_draft_tokens": 8}, False),
+    ("suffix", SUFFIX, False),
+    ("prior", PRIOR, False),
+    ("prior+suffix", [PRIOR, SUFFIX], False),
+    ("prior+suffix, toggle+ladder", [PRIOR, SUFFIX], True),
+    ("self (nf4)", {"method": "self", "num_draft_tokens": 4}, False),
 ]
 
 
@@ -56,13 +57,13 @@ def run(args) -> list[dict]:
         tiny_llama(model_dir)
         prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]] * num_prompts
     rows, base = [], None
-    for name, spec in VARIANTS:
+    for name, spec, policies in VARIANTS:
         try:
             llm = LLM(model_dir, tokenizer=tok, max_num_seqs=num_prompts * opts.G, speculative=spec)
         except ValueError as e:   # e.g. nf4 needs in_features % 32 == 0: say so, measure the rest
             print(f"spec suite: {name} skipped: {e}")
             continue
-        if "toggle" in name:   # the engine-level policies: per-drafter cost-model toggle, draft-length ladder
+        if policies:   # the engine-level policies: per-drafter cost-model toggle, draft-length ladder
             from nanospec.config import PoliciesConfig
             from nanospec.policies import build_policy
             llm.policy = build_policy(PoliciesConfig(bubble_drafting=False, length_aware_assignment=False,
