@@ -400,16 +400,18 @@ class SpeculationPolicy:
         self.probe_rows = probe_rows
         self.sources = list(sources)   # the drafter's source names (Drafter.sources); more are learned
         self.draft_time = None      # EMA seconds of propose() per sequence (drafting is per row)
-        self._tally: dict[str, list[float]] = {}    # per source: recent accepted, rejections
+        self._tally: dict[str, list[float]] = {}    # no ladder: per source recent accepted, rejections
         self._gap: dict[str, list[int]] = {}        # per source: [steps since last probe, probe gap]
         self._pays: dict[str, bool | None] = {}     # this step, per source: on, off, None = probe
         self._steps = self._on_steps = 0
 
     def alpha(self, source: str) -> float:
-        """Per-token acceptance of `source` (ladder window rate, else recent tally, else the default)."""
-        rate = self.ladder.acceptance_rate(source) if self.ladder is not None else None
-        if rate is None and source in self._tally:
-            a, r = self._tally[source]
+        """Per-token acceptance of `source`: the ladder's window rate, or without a ladder a recent
+        tally; the default before the first measurement."""
+        if self.ladder is not None:
+            rate = self.ladder.acceptance_rate(source)
+        else:
+            a, r = self._tally.get(source, (0, 0))
             rate = a / (a + r) if a + r else None
         return self.default_alpha if rate is None else rate
 
@@ -475,13 +477,14 @@ class SpeculationPolicy:
             self.toggle.latency.observe(batch_size, ctx, sum(map(len, tokens)) / len(tokens), seconds)
 
     def observe_acceptance(self, source: str, proposed: int, accepted: int) -> None:
+        if self.ladder is not None:
+            self.ladder.update(source, proposed, accepted)
+            return
         t = self._tally.setdefault(source, [0.0, 0.0])
         t[0] += accepted
         t[1] += int(accepted < proposed)
         if t[0] + t[1] > 256:                  # halve: the tally follows the current policy weights
             t[0], t[1] = t[0] / 2, t[1] / 2
-        if self.ladder is not None:
-            self.ladder.update(source, proposed, accepted)
 
     def stats(self) -> dict:
         out = {"spec_on_frac": self._on_steps / max(self._steps, 1)}
