@@ -171,7 +171,7 @@ class RolloutWorker:
         At most `cap` bubble sequences run at once: a bubble step must stay short, since the last
         rank waits for the one in flight when it finishes. Finished bubble responses must not enter
         the local prior cache as "prior" (they are shared as "bubble" instead), so the prior
-        drafter's observe is muted meanwhile."""
+        drafter stops recording finished sequences meanwhile."""
         pred = [self.predict(p) for p in upcoming]
         order = sorted(range(len(upcoming)), key=lambda j: (-pred[j], j))
         share = set(order[self.rank::self.world])
@@ -184,18 +184,13 @@ class RolloutWorker:
             while pending and sum(not s.is_finished for s in seqs) < cap:
                 j = pending.pop()
                 seqs.extend(self._add(upcoming[j], pred[j], -1 - j, greedy))
-        had_own = "observe" in vars(self.prior)
-        saved = vars(self.prior).get("observe")
-        self.prior.observe = lambda seq: None
+        recording, self.prior.recording = self.prior.recording, False
         try:
             generate_until(self.llm, signal, refill)
             for s in seqs:
                 self.llm.abort(s)          # frees KV; its partial response stays a valid draft
         finally:
-            if had_own:
-                self.prior.observe = saved
-            else:
-                del self.prior.observe
+            self.prior.recording = recording
         return [(s.prompt_key, s.completion_token_ids, s.logprobs) for s in seqs if s.num_completion_tokens]
 
     def _finish(self, problems, pred, assignment, ranks: list[dict], elapsed: float) -> dict:

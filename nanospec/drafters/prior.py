@@ -38,6 +38,7 @@ class _Entry:
 
 class PriorRolloutDrafter(Drafter):
     name = "prior"
+    sources = ("prior", "bubble")      # bubble drafts (rollout.py) keep their own name and stats
 
     def __init__(self, max_per_prompt: int = 16, lenience: float = 1.0):
         if max_per_prompt < 1:
@@ -46,6 +47,7 @@ class PriorRolloutDrafter(Drafter):
             raise ValueError(f"PriorRolloutDrafter: lenience must be >= 1 (1 = exact), got {lenience}")
         self.max_per_prompt, self.lenience = max_per_prompt, float(lenience)
         self.lossy = self.lenience > 1.0
+        self.recording = True          # False: observe() ignores finished sequences (rollout.py bubble)
         if self.lossy:
             warnings.warn(f"PriorRolloutDrafter(lenience={lenience}) is LOSSY: drafts are accepted with "
                           f"min(1, {lenience} * p_new / p_old), so rollouts no longer follow the policy exactly",
@@ -53,8 +55,6 @@ class PriorRolloutDrafter(Drafter):
         self._cache: dict = {}                              # prompt_key -> deque[_Entry], oldest first
         self._next_id = 0
         self._state: dict[int, tuple[int, int, list[_Entry]]] = {}   # seq_id -> (checked, next id, matches)
-
-    sources = ("prior", "bubble")      # bubble drafts (rollout.py) keep their own name and stats
 
     def add(self, prompt_key, token_ids: list[int], logprobs: list[float] | None = None,
             source: str = "prior") -> None:
@@ -74,7 +74,8 @@ class PriorRolloutDrafter(Drafter):
             entries.popleft()
 
     def observe(self, seq: Sequence) -> None:
-        self.add(seq.prompt_key, seq.completion_token_ids, seq.logprobs, "prior")
+        if self.recording:
+            self.add(seq.prompt_key, seq.completion_token_ids, seq.logprobs, "prior")
 
     def _matches(self, seq: Sequence) -> list[_Entry]:
         """Cached entries whose tokens start with the whole current completion."""
