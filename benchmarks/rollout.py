@@ -25,6 +25,7 @@ import torch
 
 SPEC_K = 8
 SPEC = [{"method": "prior", "num_draft_tokens": SPEC_K}, {"method": "suffix", "num_draft_tokens": SPEC_K}]
+CLASSES = [18, 72]      # answer-length classes: ~median and ~p90 of the task (as configs/default.yaml)
 NONE = dict(bubble_drafting=False, length_aware_assignment=False, length_classes=[], toggle=False,
             adaptive_draft_length=False)
 VARIANTS = [
@@ -33,10 +34,10 @@ VARIANTS = [
     ("+spec (prior+suffix)", SPEC, {}),
     ("+bubble drafting", SPEC, dict(bubble_drafting=True)),
     ("+length-aware (assign+classes)", SPEC, dict(bubble_drafting=True, length_aware_assignment=True,
-                                                  length_classes=[16, 48])),
-    ("+toggle", SPEC, dict(bubble_drafting=True, length_aware_assignment=True, length_classes=[16, 48], toggle=True)),
+                                                  length_classes=CLASSES)),
+    ("+toggle", SPEC, dict(bubble_drafting=True, length_aware_assignment=True, length_classes=CLASSES, toggle=True)),
     ("+adaptive draft length", SPEC, dict(bubble_drafting=True, length_aware_assignment=True,
-                                          length_classes=[16, 48], toggle=True, adaptive_draft_length=True)),
+                                          length_classes=CLASSES, toggle=True, adaptive_draft_length=True)),
     ("bad drafter", "bad", dict(length_aware_assignment=True)),
     ("bad drafter + toggle", "bad", dict(length_aware_assignment=True, toggle=True)),
 ]

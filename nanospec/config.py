@@ -60,7 +60,7 @@ class TaskConfig:
     num_test: int = 256
     min_steps: int = 1                  # synthetic knobs (see tasks/synthetic.py)
     max_steps: int = 26
-    zipf_alpha: float = 1.5
+    zipf_alpha: float = 1.0
     modulus: int = 10
     test_fraction: float = 0.2
     final_weight: float = 0.5
@@ -160,7 +160,7 @@ class RolloutConfig:
 class PoliciesConfig:
     bubble_drafting: bool = True        # idle fast ranks pre-draft for slow ranks (BubbleSpec)
     length_aware_assignment: bool = True  # balance predicted rollout length across ranks (DAS)
-    length_classes: list[int] = field(default_factory=lambda: [16, 48])  # [] : off
+    length_classes: list[int] = field(default_factory=lambda: [18, 72])  # [] : off
     length_class_budgets: list[int] = field(default_factory=lambda: [0, 4, 8])
     toggle: bool = True                 # speculate only where the cost model predicts a speedup
     toggle_min_speedup: float = 1.05

@@ -312,24 +312,32 @@ class Trainer:
                    kl=out.get("kl"))
         return out
 
-    # ---- evaluation: greedy, plain AR (drafters and policy detached, their state untouched) ----
-    def evaluate(self) -> dict:
+    # ---- evaluation: plain AR (drafters and policy detached, their state untouched) ----
+    def evaluate(self, samples: int = 4) -> dict:
+        """Greedy reward/accuracy, and the mean reward of `samples` draws per prompt at the training
+        temperature (fixed seed): the objective GRPO actually climbs, which greedy can hide."""
         if not self.test_set:
             return {}
-        mine = self.test_set[self.rank::self.world]
+        mine, g = self.test_set[self.rank::self.world], self.cfg.grpo
+        prompts = [format_prompt(self.tokenizer, p.prompt) for p in mine]
         llm, saved = self.llm, (self.llm.drafter, self.llm.policy)
         llm.drafter = llm.policy = None
         try:
             eos = self.tokenizer.eos_token_id
-            params = SamplingParams(temperature=0.0, max_tokens=self.cfg.grpo.max_completion_length,
-                                    stop_token_ids=[] if eos is None else [eos])
-            outs = llm.generate([format_prompt(self.tokenizer, p.prompt) for p in mine], params, use_tqdm=False)
+            params = dict(max_tokens=g.max_completion_length, stop_token_ids=[] if eos is None else [eos])
+            greedy = llm.generate(prompts, SamplingParams(temperature=0.0, **params), use_tqdm=False)
+            sampled = llm.generate(prompts, SamplingParams(temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
+                                                           n=samples, seed=self.cfg.run.seed + self.rank, **params),
+                                   use_tqdm=False)
         finally:
             llm.drafter, llm.policy = saved
-        res = [(self.task.reward(p, o.text), float(self.task.is_correct(p, o.text))) for p, o in zip(mine, outs)]
+        res = [(self.task.reward(p, o.text), float(self.task.is_correct(p, o.text))) for p, o in zip(mine, greedy)]
         res = [x for r in dist.all_gather_object(res) for x in r]
+        drawn = [self.task.reward(mine[i // samples], o.text) for i, o in enumerate(sampled)]
+        drawn = [x for r in dist.all_gather_object(drawn) for x in r]
         return {"eval/reward_mean": statistics.fmean(r for r, _ in res),
-                "eval/accuracy": statistics.fmean(c for _, c in res), "eval/n": len(res)}
+                "eval/accuracy": statistics.fmean(c for _, c in res), "eval/n": len(res),
+                "eval/sampled_reward_mean": statistics.fmean(drawn)}
 
     # ---- checkpoints ---------------------------------------------------------------------------
     def save(self) -> Path:
@@ -405,6 +413,8 @@ class Trainer:
             f"== nanospec GRPO: {self.cfg.grpo.num_steps} steps, {self.world} rank(s), {seconds:.0f}s ==",
             f"eval reward (greedy, {a.get('eval/n', 0)} test prompts): before {f(b.get('eval/reward_mean'))} -> "
             f"after {f(a.get('eval/reward_mean'))}   accuracy {f(b.get('eval/accuracy'))} -> {f(a.get('eval/accuracy'))}",
+            f"eval reward (T={self.cfg.grpo.temperature}, 4 samples per prompt; what GRPO maximises): "
+            f"before {f(b.get('eval/sampled_reward_mean'))} -> after {f(a.get('eval/sampled_reward_mean'))}",
             f"rollout time per step: {f(h.get('rollout time per step (s)'))}s   target forwards per token: "
             f"{f(h.get('target forwards per token'))}   mean accepted length: {f(h.get('mean accepted length'))}",
             f"report: python -m nanospec.report {self.run_dir}"]))

@@ -2,8 +2,8 @@
 
 Why: no weights can be downloaded, and GRPO on a random model gets reward 0 everywhere (no signal).
 A few minutes of supervised training on traces with injected slips (`sft.error_rate`) gives a model
-that is right on short prompts and wrong on long ones, so rewards vary within a group and GRPO has
-something to improve. Loss = mean cross-entropy over completion tokens only (prompt tokens are
+that is confident on most tokens (as a real policy is) but slips now and then, more on long prompts,
+so rewards vary within a group and GRPO has something to improve. Loss = mean cross-entropy over completion tokens only (prompt tokens are
 context, not targets). Batches are buckets of similar length (few padded tokens: ~4x the steps/s of
 random batches on CPU); bf16 autocast is optional (~1.4x on AVX512-bf16 CPUs, DESIGN.md).
 

@@ -106,7 +106,8 @@ REQUIRED = ["step", "reward_mean", "reward_std", "accuracy", "frac_reward_zero_s
 def test_train_writes_metrics_and_fp32_mismatch_is_tiny(tmp_path):
     cfg = tiny_cfg(tmp_path, rollout__speculative=[{"method": "suffix", "num_draft_tokens": 4}],
                    grpo__beta=0.04, task__num_test=4)
-    out = Trainer(cfg, log=lambda *a: None).train()
+    trainer = Trainer(cfg, log=lambda *a: None)
+    out = trainer.train()
     recs = load_metrics(str(tmp_path / "run" / "metrics.jsonl"))     # validates value types
     assert [r["step"] for r in recs] == [0, 1]
     for r in recs:
@@ -115,6 +116,8 @@ def test_train_writes_metrics_and_fp32_mismatch_is_tiny(tmp_path):
         assert r["speculative"] == "suffix" and r["kl"] is not None
     assert "drafter/suffix/acceptance_rate" in recs[1]
     assert out["eval_before"]["eval/n"] == 4 and "eval/reward_mean" in out["eval_after"]
+    assert 0 <= out["eval_after"]["eval/sampled_reward_mean"] <= 1
+    assert trainer.evaluate() == out["eval_after"]      # seeded: greedy and sampled eval are reproducible
     assert [p.name for p in list_checkpoints(tmp_path / "run")] == ["step_000002"]
     old = tmp_path / "run" / "checkpoints" / "step_000099"       # a longer earlier run in the same dir
     shutil.copytree(tmp_path / "run" / "checkpoints" / "step_000002", old)
