@@ -214,6 +214,8 @@ class LLM:
             return empty
         budgets = (self.policy.budgets(seqs, self.default_draft_len()) if self.policy is not None
                    else [self.default_draft_len()] * len(seqs))
+        if not any(budgets):       # the toggle's common "off" answer: skip the per-sequence work below
+            return empty
         # never draft past max_tokens, the model's length, or the KV blocks we can get
         budgets = [max(0, min(k, s.params.max_tokens - s.num_completion_tokens - 1,
                               self.max_model_len - len(s) - 1)) for s, k in zip(seqs, budgets)]

@@ -53,7 +53,8 @@ class LatencyModel:
         if coef is not None:
             coef = np.asarray(coef, dtype=float)
             _check(coef.shape == (5,) and bool(np.all(coef >= 0)), "coef", "5 nonnegative floats", coef)
-        self.coef, self.min_seconds, self.refit_every = coef, min_seconds, refit_every
+        self.min_seconds, self.refit_every = min_seconds, refit_every
+        self._set(coef)
         self.anchors: list[tuple] = []
         self.recent: deque = deque(maxlen=buffer)
         self._since_fit = 0
@@ -84,13 +85,19 @@ class LatencyModel:
         scale = np.linalg.norm(X, axis=0)
         scale[scale == 0] = 1.0                            # e.g. all C == 0: that weight stays 0
         w, _ = nnls(X / scale, np.ones(len(rows)))         # column scaling: B*Q*C ~ 1e6 vs 1
-        self.coef = w / scale
+        self._set(w / scale)
         self._since_fit = 0
 
+    def _set(self, coef) -> None:
+        self.coef = coef
+        self._w = None if coef is None else tuple(map(float, coef))   # plain floats: predict is hot
+
     def predict(self, B: float, C: float, Q: float) -> float:
-        if self.coef is None:
+        """w . features(B, C, Q), in Python floats (~1 us; the toggle calls it ~2*k times per step)."""
+        if self._w is None:
             raise RuntimeError("LatencyModel.predict: not fitted; call fit() or calibrate() first")
-        return max(float(self.features(B, C, Q) @ self.coef), self.min_seconds)
+        w1, wB, wBQ, wBC, wBQC = self._w
+        return max(w1 + B * (wB + Q * wBQ + C * wBC + Q * C * wBQC), self.min_seconds)
 
     def observe(self, B: float, C: float, Q: float, seconds: float) -> None:
         self.recent.append(self._sample((B, C, Q, seconds)))
@@ -131,12 +138,20 @@ def predicted_speedup(latency: LatencyModel, batch_size: float, ctx_len: float, 
 
 
 def best_k(latency: LatencyModel, batch_size: float, ctx_len: float, alpha: float,
-           draft_time_per_token: float = 0.0, max_k: int = 8) -> tuple[int, float]:
-    """The k in 1..max_k with the highest predicted speedup (drafting assumed linear in k)."""
+           draft_time_per_token: float = 0.0, max_k: int = 8, draft_time: float = 0.0) -> tuple[int, float]:
+    """The k in 1..max_k with the highest predicted speedup; drafting costs draft_time (a lookup's
+    fixed cost) + k * draft_time_per_token (a draft model's steps). Ties go to the shorter draft."""
     _check(_is_int(max_k) and max_k >= 1, "max_k", "an int >= 1", max_k)
-    return max(((k, predicted_speedup(latency, batch_size, ctx_len, k, expected_accepted(alpha, k),
-                                      k * draft_time_per_token)) for k in range(1, max_k + 1)),
-               key=lambda ks: (ks[1], -ks[0]))
+    _check(0.0 <= alpha <= 1.0, "alpha", "a probability in [0, 1]", alpha)
+    t_ar, best, accepted, alpha_k = latency.predict(batch_size, ctx_len, 1), (1, -1.0), 0.0, 1.0
+    for k in range(1, max_k + 1):      # predicted_speedup for each k, summing expected_accepted as we go
+        alpha_k *= alpha
+        accepted += alpha_k
+        t_step = draft_time + k * draft_time_per_token + latency.predict(batch_size, ctx_len, k + 1)
+        s = (accepted + 1) * t_ar / t_step
+        if s > best[1]:
+            best = (k, s)
+    return best
 
 
 class SpeculationToggle:
@@ -152,9 +167,19 @@ class SpeculationToggle:
     def decide(self, batch_size: float, ctx_len: float, k: int, expected_accepted_tokens: float,
                draft_time: float) -> tuple[bool, float]:
         s = predicted_speedup(self.latency, batch_size, ctx_len, k, expected_accepted_tokens, draft_time)
-        on = s >= self.min_speedup
+        return self._count(s >= self.min_speedup, s), s
+
+    def choose(self, batch_size: float, ctx_len: float, max_k: int, alpha: float,
+               draft_time: float) -> tuple[int, float]:
+        """The draft length to use this step: the k <= max_k (the ladder's rung) with the highest
+        predicted speedup, or 0 when even that one is below min_speedup. At large batch a CPU verify is
+        compute-bound (every draft token costs about a decoded token), so there the best k is short."""
+        k, s = best_k(self.latency, batch_size, ctx_len, alpha, max_k=max_k, draft_time=draft_time)
+        return (k if self._count(s >= self.min_speedup, s) else 0), s
+
+    def _count(self, on: bool, s: float) -> bool:
         self._steps, self._on, self._sum = self._steps + 1, self._on + on, self._sum + s
-        return on, s
+        return on
 
     def reset_stats(self) -> None:
         self._steps, self._on, self._sum = 0, 0, 0.0
@@ -402,7 +427,7 @@ class SpeculationPolicy:
         self.draft_time = None      # EMA seconds of propose() per sequence (drafting is per row)
         self._tally: dict[str, list[float]] = {}    # no ladder: per source recent accepted, rejections
         self._gap: dict[str, list[int]] = {}        # per source: [steps since last probe, probe gap]
-        self._pays: dict[str, bool | None] = {}     # this step, per source: on, off, None = probe
+        self._pays: dict[str, int | None] = {}      # this step, per source: draft length (0 = off), None = probe
         self._steps = self._on_steps = 0
 
     def alpha(self, source: str) -> float:
@@ -431,34 +456,35 @@ class SpeculationPolicy:
         if self.toggle is not None and any(ks):
             ctx = sum(len(s) for s in seqs) / len(seqs)
             for n in sources:
-                kn = min(self._rung(n, default_k), max(ks))
-                on, _ = self.toggle.decide(len(seqs), ctx, kn, expected_accepted(self.alpha(n), kn),
-                                           (self.draft_time or 0.0) * len(seqs))
+                kn, _ = self.toggle.choose(len(seqs), ctx, min(self._rung(n, default_k), max(ks)),
+                                           self.alpha(n), (self.draft_time or 0.0) * len(seqs))
                 gap = self._gap.setdefault(n, [0, self.probe_every])
-                if on:
+                if kn:
                     gap[:] = [0, self.probe_every]
-                else:   # off: probe (None) once the gap has passed, then double the gap
+                else:   # off: probe (None: the rung's length) once the gap has passed, then double the gap
                     gap[0] += 1
                     if gap[0] >= gap[1]:
                         gap[:] = [0, min(2 * gap[1], self.probe_every_max)]
-                        on = None
-                self._pays[n] = on
-            if all(v is False for v in self._pays.values()):
-                ks = [0] * len(seqs)            # no known drafter pays or probes: do not even draft
+                        kn = None
+                self._pays[n] = kn
+            # draft no further than the longest length any source will use (0: nothing pays or probes)
+            cap = max(self._rung(n, default_k) if v is None else v for n, v in self._pays.items())
+            ks = [min(k, cap) for k in ks]
         return ks
 
     def clip(self, proposal, budgets):
-        """Cut row i to min(budget, its source's rung), or to 0 when its source is toggled off
-        (probe steps keep the first `probe_rows` rows of that source)."""
+        """Cut row i to min(budget, its source's rung, the toggle's cost-optimal length), or to 0 when
+        its source is toggled off (probe steps keep the first `probe_rows` rows of that source)."""
         probed = defaultdict(int)
         out = []
         for t, b, src in zip(proposal.tokens, budgets, proposal.sources):
             k = min(b, self.ladder.current(src)) if self.ladder is not None else b
-            pays = self._pays.get(src, True)   # a source not seen yet drafts: its first measurement
-            if pays is False or (pays is None and probed[src] >= self.probe_rows):
-                k = 0
-            elif pays is None and t:
-                probed[src] += 1
+            pays = self._pays.get(src, k)      # a source not seen yet drafts: its first measurement
+            if pays is None:
+                k = 0 if probed[src] >= self.probe_rows else k
+                probed[src] += bool(t) and k > 0
+            else:
+                k = min(k, pays)
             out.append(t[:k])
         proposal.tokens = out
         self._on_steps += any(out)
@@ -488,6 +514,8 @@ class SpeculationPolicy:
 
     def stats(self) -> dict:
         out = {"spec_on_frac": self._on_steps / max(self._steps, 1)}
+        if self.toggle is not None:
+            out.update(self.toggle.stats())
         if self.ladder is not None:
             out.update({f"drafter/{n}/draft_len": self.ladder.current(n) for n in self.ladder.names})
             out["draft_len_mean"] = float(np.mean([self.ladder.current(n) for n in self.ladder.names])) \

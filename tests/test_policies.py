@@ -83,6 +83,10 @@ def test_toggle_threshold_and_batch_dependence():
     with pytest.raises(ValueError, match="expected_accepted_tokens"):
         tog.decide(1, 10, 3, 4.0, 0.0)
     assert best_k(lat, 1, 10, 0.9) == (3, pytest.approx(3.439 * 2 / 5))
+    # choose(): the cost-optimal length up to the ladder's rung, 0 where even k=1 does not pay
+    assert tog.choose(1, 10, 8, 0.9, 0.0) == (3, pytest.approx(3.439 * 2 / 5))
+    assert tog.choose(1, 10, 2, 0.9, 0.0) == (2, pytest.approx(2.71 * 2 / 4))
+    assert tog.choose(64, 10, 8, 0.9, 0.0) == (0, pytest.approx(1.9 * 65 / 129))
 
 
 def test_ladder_hysteresis_and_bounds():
@@ -221,8 +225,11 @@ def test_policy_toggles_each_drafter_on_its_own_acceptance_and_probes_with_backo
     assert kept == [0, 1, 0, 0, 0, 1] + [0] * 7 + [1, 0, 0]      # probes after gaps 2, 4, 8, 8 (max)
     assert pol.stats()["spec_on_frac"] == 1.0
     for _ in range(200):
-        pol.observe_acceptance("good", 4, 0)                          # the good one goes bad too
+        pol.observe_acceptance("good", 4, 0)                          # the good one goes bad: alpha ~0.14
     pol.reset_stats()
-    assert pol.budgets(seqs, 4) == [0] * 8 and pol.stats()["spec_on_frac"] == 0.0
+    assert pol.budgets(seqs, 4) == [1] * 8      # one draft token still pays (1.06x), four would not
+    pol.toggle.min_speedup = 1.1
+    pol.reset_stats()
+    assert pol.budgets(seqs, 4) == [0] * 8 and pol.stats()["spec_on_frac"] == 0.0   # nothing pays: no drafting
     with pytest.raises(ValueError, match="probe_every"):
         SpeculationPolicy(probe_every=0)
