@@ -3,8 +3,9 @@
 Workload = the embedded task with the SFT model (runs/sft, made by `make train`; pass
 `--model DIR` to use another). Every variant gets a fresh engine, one untimed *history* pass over the
 same prompts (what the previous GRPO step would have left behind: prior rollouts, suffix trees), then
-`--reps` timed passes, each a GRPO-like step (drafter `next_step()` in between). Distinct seeds per
-pass, so a timed pass is new samples, not a replay. The "toggle+ladder" row adds the engine-level
+`--reps` timed passes, each a GRPO-like step (drafter `next_step()` in between), variants interleaved
+pass by pass so drift of a shared machine hits them all alike. Distinct seeds per pass, so a timed
+pass is new samples, not a replay. The "toggle+ladder" row adds the engine-level
 policies (per-drafter cost-model toggle, draft-length ladder; policies.py). Samples
 differ between variants (same distribution, different draws), so `speedup` compares tokens/s;
 `wall_speedup` compares the batch's wall time.
@@ -56,7 +57,9 @@ def run(args) -> list[dict]:
         model_dir, tok, label = tempfile.mkdtemp(), None, "random model, one repeated prompt"
         tiny_llama(model_dir)
         prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]] * num_prompts
-    rows, base = [], None
+    keys = list(range(len(prompts)))
+    sp = lambda seed: SamplingParams(temperature=1.0, max_tokens=112, n=opts.G, seed=seed)
+    engines = {}
     for name, spec, policies in VARIANTS:
         try:
             llm = LLM(model_dir, tokenizer=tok, max_num_seqs=num_prompts * opts.G, speculative=spec)
@@ -68,22 +71,22 @@ def run(args) -> list[dict]:
             from nanospec.policies import build_policy
             llm.policy = build_policy(PoliciesConfig(bubble_drafting=False, length_aware_assignment=False,
                                                      length_classes=[]), llm)
-        keys = list(range(len(prompts)))
-        sp = lambda seed: SamplingParams(temperature=1.0, max_tokens=112, n=opts.G, seed=seed)
         llm.generate(prompts, sp(1), use_tqdm=False, prompt_keys=keys)          # history pass
-        if llm.drafter is not None and hasattr(llm.drafter, "next_step"):
-            llm.drafter.next_step()
-        llm.reset_stats()
-        if llm.policy is not None:
-            llm.policy.reset_stats()
-        seconds, tokens = 0.0, 0
-        for rep in range(opts.reps):      # timed passes: new samples each (a steadier number than one)
-            if rep and llm.drafter is not None and hasattr(llm.drafter, "next_step"):
+        engines[name] = (llm, [0.0, 0])                                         # seconds, tokens
+    for rep in range(opts.reps):    # timed passes, variants interleaved: machine drift hits all alike
+        for name, (llm, acc) in engines.items():
+            if llm.drafter is not None and hasattr(llm.drafter, "next_step"):
                 llm.drafter.next_step()
+            if rep == 0:
+                llm.reset_stats()
+                if llm.policy is not None:
+                    llm.policy.reset_stats()
             t0 = time.perf_counter()
             outs = llm.generate(prompts, sp(2 + rep), use_tqdm=False, prompt_keys=keys)
-            seconds += time.perf_counter() - t0
-            tokens += sum(len(o.token_ids) for o in outs)
+            acc[0] += time.perf_counter() - t0
+            acc[1] += sum(len(o.token_ids) for o in outs)
+    rows, base = [], None
+    for (name, spec, _), (llm, (seconds, tokens)) in ((v, engines[v[0]]) for v in VARIANTS if v[0] in engines):
         s = llm.summary()
         base = base or (seconds, tokens / seconds)
         rows.append(dict(name=name, workload=label, tokens=tokens, seconds=seconds, tokens_per_s=tokens / seconds,
