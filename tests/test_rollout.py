@@ -323,3 +323,20 @@ def test_world2_greedy_identical_assignment_and_bubble(world2, reference):
     for r, w in enumerate((w0, w1)):
         got = {k for k, _, _ in w["res"][2]["samples"]}
         assert got == {probs[8 + i].prompt for i in lpt[r]}
+
+
+def test_no_gc_pauses_turns_the_collector_off_inside_and_restores_it():
+    import gc
+    from nanospec.rollout import no_gc_pauses
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError), no_gc_pauses():
+        assert not gc.isenabled()
+        raise RuntimeError("boom")
+    assert gc.isenabled()                   # restored on an error path too
+    gc.disable()
+    try:
+        with no_gc_pauses():
+            pass
+        assert not gc.isenabled()           # a caller's own choice is kept
+    finally:
+        gc.enable()
