@@ -5,8 +5,8 @@ Workload = the embedded task with the SFT model (runs/sft, made by `make train`;
 same prompts (what the previous GRPO step would have left behind: prior rollouts, suffix trees), then
 `--reps` timed passes, each a GRPO-like step (drafter `next_step()` in between), variants interleaved
 pass by pass so drift of a shared machine hits them all alike. Distinct seeds per pass, so a timed
-pass is new samples, not a replay. The "toggle+ladder" row adds the engine-level
-policies (per-drafter cost-model toggle, draft-length ladder; policies.py). Samples
+pass is new samples, not a replay. The "toggle" and "toggle+ladder" rows add the engine-level
+policies (per-drafter cost-model toggle, then the draft-length ladder; policies.py). Samples
 differ between variants (same distribution, different draws), so `speedup` compares tokens/s;
 `wall_speedup` compares the batch's wall time.
 Without the SFT model the workload falls back to G samples of one repeated prompt on a random model.
@@ -20,14 +20,15 @@ import torch
 from nanospec import LLM, SamplingParams
 
 PRIOR, SUFFIX = {"method": "prior", "num_draft_tokens": 8}, {"method": "suffix", "num_draft_tokens": 8}
-VARIANTS = [    # (name, speculative config, engine-level policies on)
-    ("AR", None, False),
-    ("ngram", {"method": "ngram", "num_draft_tokens": 8}, False),
-    ("suffix", SUFFIX, False),
-    ("prior", PRIOR, False),
-    ("prior+suffix", [PRIOR, SUFFIX], False),
-    ("prior+suffix, toggle+ladder", [PRIOR, SUFFIX], True),
-    ("self (nf4)", {"method": "self", "num_draft_tokens": 4}, False),
+VARIANTS = [    # (name, speculative config, engine-level policies: None or PoliciesConfig overrides)
+    ("AR", None, None),
+    ("ngram", {"method": "ngram", "num_draft_tokens": 8}, None),
+    ("suffix", SUFFIX, None),
+    ("prior", PRIOR, None),
+    ("prior+suffix", [PRIOR, SUFFIX], None),
+    ("prior+suffix, toggle", [PRIOR, SUFFIX], dict(adaptive_draft_length=False)),
+    ("prior+suffix, toggle+ladder", [PRIOR, SUFFIX], {}),
+    ("self (nf4)", {"method": "self", "num_draft_tokens": 4}, None),
 ]
 
 
@@ -66,11 +67,11 @@ def run(args) -> list[dict]:
         except ValueError as e:   # e.g. nf4 needs in_features % 32 == 0: say so, measure the rest
             print(f"spec suite: {name} skipped: {e}")
             continue
-        if policies:   # the engine-level policies: per-drafter cost-model toggle, draft-length ladder
+        if policies is not None:   # engine-level policies: per-drafter cost-model toggle, draft-length ladder
             from nanospec.config import PoliciesConfig
             from nanospec.policies import build_policy
             llm.policy = build_policy(PoliciesConfig(bubble_drafting=False, length_aware_assignment=False,
-                                                     length_classes=[]), llm)
+                                                     length_classes=[], **policies), llm)
         llm.generate(prompts, sp(1), use_tqdm=False, prompt_keys=keys)          # history pass
         engines[name] = (llm, [0.0, 0])                                         # seconds, tokens
     for rep in range(opts.reps):    # timed passes, variants interleaved: machine drift hits all alike
