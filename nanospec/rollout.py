@@ -189,9 +189,9 @@ class RolloutWorker:
         Order: this rank's round-robin share of the upcoming prompts by decreasing predicted length
         (long prompts set the next step's tail; ranks start on different prompts), then the rest.
         At most `cap` bubble sequences run at once, admitted a few per engine step: a bubble step must
-        stay short, since the last rank waits for the one in flight when it finishes. Finished bubble responses must not enter
-        the local prior cache as "prior" (they are shared as "bubble" instead), so the prior
-        drafter stops recording finished sequences meanwhile."""
+        stay short, since the last rank waits for the one in flight when it finishes. Finished bubble
+        responses must not enter the local prior cache as "prior" (they are shared as "bubble"
+        instead), so the prior drafter stops recording finished sequences meanwhile."""
         pred = [self.predict(p) for p in upcoming]
         order = sorted(range(len(upcoming)), key=lambda j: (-pred[j], j))
         share = set(order[self.rank::self.world])
