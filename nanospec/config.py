@@ -161,7 +161,7 @@ class PoliciesConfig:
     bubble_drafting: bool = True        # idle fast ranks pre-draft for slow ranks (BubbleSpec)
     length_aware_assignment: bool = True  # balance predicted rollout length across ranks (DAS)
     length_classes: list[int] = field(default_factory=lambda: [18, 72])  # [] : off
-    length_class_budgets: list[int] = field(default_factory=lambda: [0, 4, 8])
+    length_class_budgets: list[int] | None = None  # null: chosen by the cost model at start-up
     toggle: bool = True                 # speculate only where the cost model predicts a speedup
     toggle_min_speedup: float = 1.05
     adaptive_draft_length: bool = True  # acceptance-aware ladder (EfficientRollout)
@@ -173,9 +173,9 @@ class PoliciesConfig:
         c, b, lad = self.length_classes, self.length_class_budgets, self.draft_ladder
         return [("length_classes", all(t > 0 for t in c) and all(x < y for x, y in zip(c, c[1:])),
                  "strictly increasing lengths > 0 ([] = off)"),
-                ("length_class_budgets", not c or len(b) == len(c) + 1,
-                 f"len(length_classes) + 1 = {len(c) + 1} draft budgets"),
-                ("length_class_budgets", all(x >= 0 for x in b), "draft budgets >= 0"),
+                ("length_class_budgets", not c or b is None or len(b) == len(c) + 1,
+                 f"null or len(length_classes) + 1 = {len(c) + 1} draft budgets"),
+                ("length_class_budgets", b is None or all(x >= 0 for x in b), "draft budgets >= 0"),
                 ("toggle_min_speedup", self.toggle_min_speedup > 0, "> 0"),
                 ("draft_ladder", len(lad) > 0 and lad[0] >= 1 and all(x < y for x, y in zip(lad, lad[1:])),
                  "a non-empty strictly increasing list of ints >= 1"),

@@ -361,7 +361,8 @@ class LengthClasses:
     2.2-2.8x a decode, so a wrong draft slows every sequence's step and they never set the rollout's
     wall time -> 0; answers past 32 run as the batch shrinks -> 4; past 128 only stragglers remain,
     at batch ~1, where a verify costs 1.3-1.8x a decode and long drafts pay -> 8.
-    `from_cost_model` derives budgets from a fitted LatencyModel instead.
+    `from_cost_model` / `for_engine` derive budgets from a fitted LatencyModel instead (the default:
+    `policies.length_class_budgets: null`).
     """
 
     def __init__(self, thresholds: Sequence[float] = (32, 128), budgets: Sequence[int] = (0, 4, 8)):
@@ -395,6 +396,17 @@ class LengthClasses:
             k, s = best_k(latency, B, C, alpha, draft_time_per_token, max_k)
             budgets.append(k if s >= min_speedup else 0)
         return cls(thresholds, budgets)
+
+    @classmethod
+    def for_engine(cls, latency: LatencyModel, thresholds: Sequence[float], max_num_seqs: int,
+                   alpha: float = 0.8, max_k: int = 8, min_speedup: float = 1.05) -> "LengthClasses":
+        """`from_cost_model` at each class's typical step: short answers finish while the batch is
+        full, and each longer class runs in a batch ~4x smaller (the long tail runs nearly alone),
+        at a context of about the class's length."""
+        t = [float(x) for x in thresholds]
+        ctx = [t[0] / 2] + [(a + b) / 2 for a, b in zip(t, t[1:])] + [1.25 * t[-1]]
+        batch = [max(1, max_num_seqs // 4 ** c) for c in range(len(t) + 1)]
+        return cls.from_cost_model(latency, t, batch, ctx, alpha, max_k=max_k, min_speedup=min_speedup)
 
 
 class SpeculationPolicy:
@@ -535,13 +547,19 @@ def build_policy(cfg, llm) -> SpeculationPolicy | None:
     if not (cfg.toggle or cfg.adaptive_draft_length or cfg.length_classes):
         return None
     ladder = DraftLengthLadder(cfg.draft_ladder, cfg.ladder_up, cfg.ladder_down) if cfg.adaptive_draft_length else None
-    classes = LengthClasses(cfg.length_classes, cfg.length_class_budgets) if cfg.length_classes else None
-    toggle = None
-    if cfg.toggle:
-        latency = LatencyModel()
-        ctx = min(64, llm.max_model_len // 2)
-        latency.calibrate(llm.time_forward, batch_sizes=[b for b in (1, 8, 32) if b <= llm.scheduler.max_num_seqs], ctx_lens=[ctx // 2, ctx],
-                          query_lens=[1, 4, 8], repeats=3)
-        toggle = SpeculationToggle(latency, cfg.toggle_min_speedup)
+    auto_budgets = bool(cfg.length_classes) and cfg.length_class_budgets is None
+    latency = None
+    if cfg.toggle or auto_budgets:
+        latency, ctx, max_seqs = LatencyModel(), min(64, llm.max_model_len // 2), llm.scheduler.max_num_seqs
+        latency.calibrate(llm.time_forward, batch_sizes=[b for b in (1, 8, 32) if b <= max_seqs],
+                          ctx_lens=[ctx // 2, ctx], query_lens=[1, 4, 8], repeats=3)
+    classes = None
+    if auto_budgets:    # DAS budgets per length class, from this machine's cost model
+        classes = LengthClasses.for_engine(latency, cfg.length_classes, llm.scheduler.max_num_seqs,
+                                           max_k=max(cfg.draft_ladder) if ladder else llm.default_draft_len(),
+                                           min_speedup=cfg.toggle_min_speedup)
+    elif cfg.length_classes:
+        classes = LengthClasses(cfg.length_classes, cfg.length_class_budgets)
+    toggle = SpeculationToggle(latency, cfg.toggle_min_speedup) if cfg.toggle else None
     return SpeculationPolicy(ladder=ladder, classes=classes, toggle=toggle,
                              sources=llm.drafter.sources if llm.drafter is not None else ())

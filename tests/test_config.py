@@ -90,7 +90,7 @@ def _err(overrides, match, path=DEFAULT):
     ("--rollout.speculative={method: draft_model, num_draft_tokens: 4}", r"rollout\.speculative\.model: expected a draft model directory"),
     ("--rollout.speculative={method: suffix, num_draft_tokens: 4, lenience: 2}",
      r"rollout\.speculative\.lenience: expected 1 \(exact\); > 1 only with method prior \(LOSSY\), got 2"),
-    ("--policies.length_class_budgets=[1,2]", r"policies\.length_class_budgets: expected len\(length_classes\) \+ 1 = 3"),
+    ("--policies.length_class_budgets=[1,2]", r"policies\.length_class_budgets: expected null or len\(length_classes\) \+ 1 = 3"),
     ("--policies.length_classes=[48,16]", r"policies\.length_classes: expected strictly increasing"),
     ("--policies.draft_ladder=[5,3]", r"policies\.draft_ladder: expected a non-empty strictly increasing"),
     ("--policies.ladder_down=0.95", r"policies\.ladder_down: expected in \(0, ladder_up=0.94\)"),

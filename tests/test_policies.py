@@ -197,6 +197,9 @@ def test_length_classes_mapping_validation_and_cost_model():
     lat = LatencyModel(coef=[1, 0, 1, 0, 0])
     derived = LengthClasses.from_cost_model(lat, [32, 128], [64, 4, 1], [16, 80, 200], alpha=0.9)
     assert derived.budgets == (0, 1, 3)
+    # for_engine: the typical step of each class, batch 64 / 16 / 4 (4x smaller per class)
+    assert LengthClasses.for_engine(lat, [32, 128], 64, alpha=0.9).budgets == (0, 0, 1)
+    assert LengthClasses.for_engine(lat, [32, 128], 4, alpha=0.9).budgets == (1, 3, 3)
     with pytest.raises(ValueError, match="batch_sizes"):
         LengthClasses.from_cost_model(lat, [32, 128], [64, 1], [16, 200], alpha=0.9)
 
