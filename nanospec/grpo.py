@@ -158,6 +158,11 @@ class Trainer:
                        prefix_caching=r.prefix_caching, seed=cfg.run.seed + self.rank, use_cuda_graphs=r.use_cuda_graphs,
                        gpu_memory_utilization=r.gpu_memory_utilization)
         self.llm.policy = build_policy(cfg.policies, self.llm)
+        if self.llm.policy is not None and self.llm.policy.classes is not None:
+            c = self.llm.policy.classes
+            self.log(f"[policy] answer-length classes split at {', '.join(f'{t:g}' for t in c.thresholds)} "
+                     f"tokens -> draft budgets {list(c.budgets)}"
+                     + (" (cost model)" if cfg.policies.length_class_budgets is None else ""))
         self.worker = RolloutWorker(self.llm, self.tokenizer, self.task, cfg, self.rank, self.world)
         self.opt = torch.optim.AdamW(self.policy.parameters(), lr=g.learning_rate, weight_decay=g.weight_decay)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: min(1.0, (s + 1) / (g.warmup_steps + 1)))
