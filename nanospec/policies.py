@@ -555,8 +555,8 @@ def build_policy(cfg, llm) -> SpeculationPolicy | None:
                           ctx_lens=[ctx // 2, ctx], query_lens=[1, 4, 8], repeats=3)
     classes = None
     if auto_budgets:    # DAS budgets per length class, from this machine's cost model
-        classes = LengthClasses.for_engine(latency, cfg.length_classes, llm.scheduler.max_num_seqs,
-                                           max_k=max(cfg.draft_ladder) if ladder else llm.default_draft_len(),
+        max_k = max(cfg.draft_ladder) if ladder is not None or llm.drafter is None else llm.default_draft_len()
+        classes = LengthClasses.for_engine(latency, cfg.length_classes, llm.scheduler.max_num_seqs, max_k=max_k,
                                            min_speedup=cfg.toggle_min_speedup)
     elif cfg.length_classes:
         classes = LengthClasses(cfg.length_classes, cfg.length_class_budgets)

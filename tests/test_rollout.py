@@ -350,3 +350,5 @@ def test_build_policy_takes_class_budgets_from_the_calibrated_cost_model_unless_
     assert pol.classes.thresholds == (8, 16) and pol.classes.budgets == want.budgets
     pol = build_policy(PoliciesConfig(length_classes=[8, 16], length_class_budgets=[0, 2, 4], toggle=False), llm)
     assert pol.classes.budgets == (0, 2, 4) and pol.toggle is None
+    ar = make_llm(model_dir, tok, spec=None)     # no drafter, no ladder: still builds (budgets unused)
+    assert len(build_policy(PoliciesConfig(adaptive_draft_length=False), ar).classes.budgets) == 3
