@@ -133,8 +133,13 @@ def predicted_speedup(latency: LatencyModel, batch_size: float, ctx_len: float, 
     _check(0 <= expected_accepted_tokens <= k, "expected_accepted_tokens", f"in [0, k={k}]",
            expected_accepted_tokens)
     _check(draft_time >= 0, "draft_time", "seconds >= 0", draft_time)
-    t_ar, t_verify = latency.predict(batch_size, ctx_len, 1), latency.predict(batch_size, ctx_len, k + 1)
-    return (expected_accepted_tokens + 1) * t_ar / (draft_time + t_verify)
+    return _speedup(latency, batch_size, ctx_len, k, expected_accepted_tokens, draft_time,
+                    latency.predict(batch_size, ctx_len, 1))
+
+
+def _speedup(latency, batch_size, ctx_len, k, expected_accepted_tokens, draft_time, t_ar) -> float:
+    """`predicted_speedup` without the checks, t_ar given: best_k calls it ~k times per drafter per step."""
+    return (expected_accepted_tokens + 1) * t_ar / (draft_time + latency.predict(batch_size, ctx_len, k + 1))
 
 
 def best_k(latency: LatencyModel, batch_size: float, ctx_len: float, alpha: float,
@@ -144,11 +149,10 @@ def best_k(latency: LatencyModel, batch_size: float, ctx_len: float, alpha: floa
     _check(_is_int(max_k) and max_k >= 1, "max_k", "an int >= 1", max_k)
     _check(0.0 <= alpha <= 1.0, "alpha", "a probability in [0, 1]", alpha)
     t_ar, best, accepted, alpha_k = latency.predict(batch_size, ctx_len, 1), (1, -1.0), 0.0, 1.0
-    for k in range(1, max_k + 1):      # predicted_speedup for each k, summing expected_accepted as we go
+    for k in range(1, max_k + 1):      # expected_accepted(alpha, k), summed as k grows
         alpha_k *= alpha
         accepted += alpha_k
-        t_step = draft_time + k * draft_time_per_token + latency.predict(batch_size, ctx_len, k + 1)
-        s = (accepted + 1) * t_ar / t_step
+        s = _speedup(latency, batch_size, ctx_len, k, accepted, draft_time + k * draft_time_per_token, t_ar)
         if s > best[1]:
             best = (k, s)
     return best
