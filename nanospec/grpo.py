@@ -44,7 +44,7 @@ from .report import headline, load_metrics
 from .rollout import RolloutWorker, Sample
 from .sequence import SamplingParams
 from .sft import all_reduce_grads, hash_seed, prepare_sft_model
-from .tasks import format_prompt, task_from_config
+from .tasks import task_from_config
 
 
 MICROBATCH_TOKENS = 2048   # padded tokens per forward/backward on the trainer side
@@ -318,13 +318,15 @@ class Trainer:
         return out
 
     # ---- evaluation: plain AR (drafters and policy detached, their state untouched) ----
-    def evaluate(self, samples: int = 4) -> dict:
+    EVAL_SAMPLES = 4    # draws per test prompt for eval/sampled_reward_mean
+
+    def evaluate(self, samples: int = EVAL_SAMPLES) -> dict:
         """Greedy reward/accuracy, and the mean reward of `samples` draws per prompt at the training
         temperature (fixed seed): the objective GRPO actually climbs, which greedy can hide."""
         if not self.test_set:
             return {}
         mine, g = self.test_set[self.rank::self.world], self.cfg.grpo
-        prompts = [format_prompt(self.tokenizer, p.prompt) for p in mine]
+        prompts = [self.worker.prompt_ids(p) for p in mine]     # the worker caches rendered prompts
         llm, saved = self.llm, (self.llm.drafter, self.llm.policy)
         llm.drafter = llm.policy = None
         try:
@@ -418,8 +420,8 @@ class Trainer:
             f"== nanospec GRPO: {self.cfg.grpo.num_steps} steps, {self.world} rank(s), {seconds:.0f}s ==",
             f"eval reward (greedy, {a.get('eval/n', 0)} test prompts): before {f(b.get('eval/reward_mean'))} -> "
             f"after {f(a.get('eval/reward_mean'))}   accuracy {f(b.get('eval/accuracy'))} -> {f(a.get('eval/accuracy'))}",
-            f"eval reward (T={self.cfg.grpo.temperature}, 4 samples per prompt; what GRPO maximises): "
-            f"before {f(b.get('eval/sampled_reward_mean'))} -> after {f(a.get('eval/sampled_reward_mean'))}",
+            f"eval reward (T={self.cfg.grpo.temperature}, {self.EVAL_SAMPLES} samples per prompt; what GRPO "
+            f"maximises): before {f(b.get('eval/sampled_reward_mean'))} -> after {f(a.get('eval/sampled_reward_mean'))}",
             f"rollout time per step: {f(h.get('rollout time per step (s)'))}s   target forwards per token: "
             f"{f(h.get('target forwards per token'))}   mean accepted length: {f(h.get('mean accepted length'))}",
             f"report: python -m nanospec.report {self.run_dir}"]))
