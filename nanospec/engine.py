@@ -87,6 +87,7 @@ class LLM:
         eos = a.eos_token_id if tokenizer is None else tokenizer.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         self.generator = torch.Generator().manual_seed(seed)
+        self._st_key = self._st = None   # SamplingTensors of the last step's batch, reused while it repeats
         self.spec_config = speculative
         self.drafter: Drafter | None = self._make_drafter(speculative) if speculative else None
         self.policy = policy      # optional policies.SpeculationPolicy: per-seq budgets, toggle, ladder
@@ -238,7 +239,7 @@ class LLM:
         B, K1, V = logits.shape
         K, dev, drafts = K1 - 1, self.device, proposal.tokens
         key = (V, *((s.params.temperature, s.params.top_k, s.params.top_p) for s in seqs))
-        if getattr(self, "_st_key", None) != key:   # decode steps repeat the same batch: build it once
+        if self._st_key != key:   # decode steps repeat the same batch: build it once
             self._st_key, self._st = key, SamplingTensors.from_params([s.params for s in seqs], V, dev)
         st = self._st
         draft = torch.tensor([d + [0] * (K - len(d)) for d in drafts], dtype=torch.long, device=dev).view(B, K)
