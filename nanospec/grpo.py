@@ -198,7 +198,8 @@ class Trainer:
     def learn(self, samples: list[Sample]) -> dict:
         """Rewards -> advantages -> mu optimizer steps on this rank's samples (collective)."""
         g, t0 = self.cfg.grpo, time.perf_counter()
-        rewards = [self.task.reward(s.problem, self.text(s)) for s in samples]
+        texts = [self.text(s) for s in samples]
+        rewards = [self.task.reward(s.problem, t) for s, t in zip(samples, texts)]
         adv, _ = group_advantages(torch.tensor(rewards), g.num_generations, g.scale_rewards)
         pad = self.tokenizer.pad_token_id or 0
         mbs = [make_microbatch([samples[i] for i in idx], adv[idx], pad, self.device)
@@ -234,7 +235,7 @@ class Trainer:
         for mb, o in zip(mbs, old):
             for b, n in enumerate(mb.mask.sum(1).long().tolist()):
                 logps.append((o[b, :n].tolist(), mb.rollout_lp[b, :n].tolist(), mb.from_verify[b, :n].tolist()))
-        return dict(rewards=rewards, correct=[self.task.is_correct(s.problem, self.text(s)) for s in samples],
+        return dict(rewards=rewards, correct=[self.task.is_correct(s.problem, t) for s, t in zip(samples, texts)],
                     lengths=[len(s.completion_ids) for s in samples], logps=logps, agg=dict(agg),
                     loss=sum(losses) / len(losses), grad_norm=norms[-1], time=time.perf_counter() - t0)
 
