@@ -60,8 +60,10 @@ class LatencyModel:
         self._since_fit = 0
 
     @staticmethod
-    def features(B: float, C: float, Q: float) -> np.ndarray:
-        return np.array([1.0, B, B * Q, B * C, B * Q * C], dtype=float)
+    def features(B, C, Q) -> np.ndarray:
+        """[1, B, B*Q, B*C, B*Q*C]: [5] for one (B, C, Q), [5, n] for arrays of n samples."""
+        B, C, Q = (np.asarray(v, dtype=float) for v in (B, C, Q))
+        return np.stack([np.ones_like(B), B, B * Q, B * C, B * Q * C])
 
     @staticmethod
     def _sample(s) -> tuple:
@@ -78,9 +80,8 @@ class LatencyModel:
         return self
 
     def _refit(self) -> None:
-        rows = self.anchors + list(self.recent)
-        X = np.stack([self.features(B, C, Q) for B, C, Q, _ in rows])
-        y = np.array([r[3] for r in rows])
+        rows = np.array(self.anchors + list(self.recent))                # [n, 4]: B, C, Q, seconds
+        X, y = self.features(rows[:, 0], rows[:, 1], rows[:, 2]).T, rows[:, 3]
         X = X / y[:, None]                                 # minimise sum(((pred - t) / t)^2)
         scale = np.linalg.norm(X, axis=0)
         scale[scale == 0] = 1.0                            # e.g. all C == 0: that weight stays 0
