@@ -14,10 +14,13 @@ venv: $(BIN)/python
 train: venv  ## SFT warm-up (reused if present) + GRPO with speculative rollouts on 2 CPU ranks
 	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc_per_node=2 train.py --config configs/default.yaml
 
+draft: venv  ## the small draft model for `method: draft_model` (SFT only; runs/draft)
+	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc_per_node=2 train.py --config configs/draft.yaml --sft-only
+
 test: venv   ## the whole suite, slow end-to-end tests included (CI runs exactly this)
 	$(BIN)/python -m pytest -q tests
 
 bench: venv
 	$(BIN)/python bench.py --suite all
 
-.PHONY: venv train test bench
+.PHONY: venv train draft test bench

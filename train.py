@@ -3,6 +3,7 @@
     torchrun --standalone --nproc_per_node=2 train.py --config configs/default.yaml [--section.key=value ...]
     python train.py --config configs/default.yaml --grpo.num_steps=5     # one process (world 1)
     ... --resume                                                         # = --run.resume=true
+    ... --config configs/draft.yaml --sft-only        # only the SFT model (here: the draft model)
 
 One process per rank: gloo on CPU, nccl on GPU; each rank uses run.num_threads torch threads
 (default 1: two ranks on two cores must not oversubscribe them). Rank 0 prints the summary and
@@ -16,6 +17,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="configs/default.yaml", help="YAML config (may set `base:`)")
     ap.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint")
+    ap.add_argument("--sft-only", action="store_true", help="stop after the SFT warm-up (writes sft.out_dir)")
     args, overrides = ap.parse_known_args(argv)
     bad = [o for o in overrides if not (o.startswith("--") and "." in o.split("=")[0] and "=" in o)]
     if bad:
@@ -32,8 +34,14 @@ def main(argv=None) -> int:
     dist.init_distributed("nccl" if cfg.rollout.device.startswith("cuda") else "gloo")
     ok = False
     try:
-        from nanospec.grpo import Trainer
-        Trainer(cfg).train()
+        if args.sft_only:
+            from nanospec.sft import prepare_sft_model
+            out = prepare_sft_model(cfg, log=print if dist.rank() == 0 else lambda *a: None)
+            if dist.rank() == 0:
+                print(f"[sft] model in {out}")
+        else:
+            from nanospec.grpo import Trainer
+            Trainer(cfg).train()
         ok = True
     finally:
         dist.cleanup(sync=ok)

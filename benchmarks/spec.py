@@ -6,7 +6,8 @@ same prompts (what the previous GRPO step would have left behind: prior rollouts
 `--reps` timed passes, each a GRPO-like step (drafter `next_step()` in between), variants interleaved
 pass by pass so drift of a shared machine hits them all alike. Distinct seeds per pass, so a timed
 pass is new samples, not a replay. The "toggle" and "toggle+ladder" rows add the engine-level
-policies (per-drafter cost-model toggle, then the draft-length ladder; policies.py). Samples
+policies (per-drafter cost-model toggle, then the draft-length ladder; policies.py). The "draft model"
+row needs a draft model directory (`--draft`, default runs/draft, made by `make draft`). Samples
 differ between variants (same distribution, different draws), so `speedup` compares tokens/s;
 `wall_speedup` compares the batch's wall time.
 Without the SFT model the workload falls back to G samples of one repeated prompt on a random model.
@@ -45,8 +46,10 @@ def run(args) -> list[dict]:
     ap.add_argument("--model", default="runs/sft")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--G", type=int, default=8)
+    ap.add_argument("--draft", default="runs/draft", help="draft model directory for the draft-model row")
     ap.add_argument("--reps", type=int, default=3, help="timed passes after the history pass")
     opts, _ = ap.parse_known_args(args.extra)
+    variants = list(VARIANTS)
     num_prompts = 4 if args.quick else opts.prompts
     if Path(opts.model, "config.json").is_file():
         prompts, tok = workload(opts.model, num_prompts)
@@ -58,10 +61,14 @@ def run(args) -> list[dict]:
         model_dir, tok, label = tempfile.mkdtemp(), None, "random model, one repeated prompt"
         tiny_llama(model_dir)
         prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]] * num_prompts
+    if tok is not None and Path(opts.draft, "config.json").is_file():
+        variants.append(("draft model", {"method": "draft_model", "model": opts.draft, "num_draft_tokens": 3}, None))
+    else:
+        print(f"spec suite: draft model row skipped: no draft model for this workload at {opts.draft} (`make draft`)")
     keys = list(range(len(prompts)))
     sp = lambda seed: SamplingParams(temperature=1.0, max_tokens=112, n=opts.G, seed=seed)
     engines = {}
-    for name, spec, policies in VARIANTS:
+    for name, spec, policies in variants:
         try:
             llm = LLM(model_dir, tokenizer=tok, max_num_seqs=num_prompts * opts.G, speculative=spec)
         except ValueError as e:   # e.g. nf4 needs in_features % 32 == 0: say so, measure the rest
@@ -76,7 +83,7 @@ def run(args) -> list[dict]:
         engines[name] = (llm, [0.0, 0])                                         # seconds, tokens
     for rep in range(opts.reps):    # timed passes, variants interleaved: machine drift hits all alike
         for name, (llm, acc) in engines.items():
-            if llm.drafter is not None and hasattr(llm.drafter, "next_step"):
+            if hasattr(llm.drafter, "next_step"):
                 llm.drafter.next_step()
             if rep == 0:
                 llm.reset_stats()
@@ -87,7 +94,7 @@ def run(args) -> list[dict]:
             acc[0] += time.perf_counter() - t0
             acc[1] += sum(len(o.token_ids) for o in outs)
     rows, base = [], None
-    for (name, spec, _), (llm, (seconds, tokens)) in ((v, engines[v[0]]) for v in VARIANTS if v[0] in engines):
+    for (name, spec, _), (llm, (seconds, tokens)) in ((v, engines[v[0]]) for v in variants if v[0] in engines):
         s = llm.summary()
         base = base or (seconds, tokens / seconds)
         rows.append(dict(name=name, workload=label, tokens=tokens, seconds=seconds, tokens_per_s=tokens / seconds,

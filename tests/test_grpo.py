@@ -228,3 +228,23 @@ def test_drafter_monitor_ignores_noise_but_not_a_sustained_collapse():
     assert [step(r) for r in (0.6, 0.7, 0.65, 0.05)] == [[], [], [], []]
     alerts = step(0.04)
     assert len(alerts) == 1 and "'suffix'" in alerts[0] and step(0.03) == []   # one warning per episode
+
+
+def test_sft_only_builds_a_draft_model_the_engine_accepts(tmp_path):
+    """`train.py --config configs/draft.yaml --sft-only` (= make draft) writes the small SFT model and
+    nothing else; it speaks the task's vocabulary, so it plugs in as `method: draft_model`."""
+    import train
+    from nanospec import LLM
+    out = tmp_path / "draft"
+    assert train.main(["--config", "configs/draft.yaml", "--sft-only", "--sft.steps=3", "--sft.batch_size=8",
+                       f"--sft.out_dir={out}", f"--run.out_dir={tmp_path / 'run'}"]) == 0
+    cfg = json.loads((out / "config.json").read_text())
+    assert (cfg["num_hidden_layers"], cfg["hidden_size"]) == (2, 128)
+    assert not (tmp_path / "run").exists()                                   # no GRPO ran
+    target = tiny_cfg(tmp_path).model.path
+    prompts = [format_prompt(build_tokenizer(), p) for p in ("a 3 b 7 ?", "a 1 ?")]
+    sp = SamplingParams(temperature=0, max_tokens=12, n=2)
+    ar = LLM(target).generate(prompts, sp, use_tqdm=False)
+    spec = LLM(target, speculative={"method": "draft_model", "model": str(out), "num_draft_tokens": 3})
+    assert [o.token_ids for o in spec.generate(prompts, sp, use_tqdm=False)] == [o.token_ids for o in ar]
+    assert spec.stats["per_drafter"]["draft_model"]["proposed"] > 0
