@@ -31,6 +31,10 @@ VARIANTS = [    # (name, speculative config, engine-level policies: None or Poli
     ("prior+suffix, toggle+ladder", [PRIOR, SUFFIX], {}),
     ("self (nf4)", {"method": "self", "num_draft_tokens": 4}, None),
 ]
+# The ceiling of this machine at this batch: greedy, where the prior rollout is exactly the next answer,
+# so every draft is accepted and only the cost of verifying k+1 positions per row remains. Compared with
+# greedy AR (greedy answers differ from T=1 ones in length, so the two groups have separate baselines).
+CEILING = [("AR, greedy", None, None), ("prior, greedy (every draft right: ceiling)", PRIOR, None)]
 
 
 def workload(model_dir, num_prompts: int):
@@ -49,7 +53,7 @@ def run(args) -> list[dict]:
     ap.add_argument("--draft", default="runs/draft", help="draft model directory for the draft-model row")
     ap.add_argument("--reps", type=int, default=3, help="timed passes after the history pass")
     opts, _ = ap.parse_known_args(args.extra)
-    variants = list(VARIANTS)
+    variants = [(*v, 1.0) for v in VARIANTS]
     num_prompts = 4 if args.quick else opts.prompts
     if Path(opts.model, "config.json").is_file():
         prompts, tok = workload(opts.model, num_prompts)
@@ -62,13 +66,14 @@ def run(args) -> list[dict]:
         tiny_llama(model_dir)
         prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]] * num_prompts
     if tok is not None and Path(opts.draft, "config.json").is_file():
-        variants.append(("draft model", {"method": "draft_model", "model": opts.draft, "num_draft_tokens": 3}, None))
+        variants.append(("draft model", {"method": "draft_model", "model": opts.draft, "num_draft_tokens": 3}, None, 1.0))
     else:
         print(f"spec suite: draft model row skipped: no draft model for this workload at {opts.draft} (`make draft`)")
+    variants += [(*v, 0.0) for v in CEILING]
     keys = list(range(len(prompts)))
-    sp = lambda seed: SamplingParams(temperature=1.0, max_tokens=112, n=opts.G, seed=seed)
+    sp = lambda seed, T: SamplingParams(temperature=T, max_tokens=112, n=opts.G, seed=seed)
     engines = {}
-    for name, spec, policies in variants:
+    for name, spec, policies, T in variants:
         try:
             llm = LLM(model_dir, tokenizer=tok, max_num_seqs=num_prompts * opts.G, speculative=spec)
         except ValueError as e:   # e.g. nf4 needs in_features % 32 == 0: say so, measure the rest
@@ -79,10 +84,10 @@ def run(args) -> list[dict]:
             from nanospec.policies import build_policy
             llm.policy = build_policy(PoliciesConfig(bubble_drafting=False, length_aware_assignment=False,
                                                      length_classes=[], **policies), llm)
-        llm.generate(prompts, sp(1), use_tqdm=False, prompt_keys=keys)          # history pass
-        engines[name] = (llm, [0.0, 0])                                         # seconds, tokens
+        llm.generate(prompts, sp(1, T), use_tqdm=False, prompt_keys=keys)       # history pass
+        engines[name] = (llm, T, [0.0, 0])                                      # seconds, tokens
     for rep in range(opts.reps):    # timed passes, variants interleaved: machine drift hits all alike
-        for name, (llm, acc) in engines.items():
+        for name, (llm, T, acc) in engines.items():
             if hasattr(llm.drafter, "next_step"):
                 llm.drafter.next_step()
             if rep == 0:
@@ -90,17 +95,18 @@ def run(args) -> list[dict]:
                 if llm.policy is not None:
                     llm.policy.reset_stats()
             t0 = time.perf_counter()
-            outs = llm.generate(prompts, sp(2 + rep), use_tqdm=False, prompt_keys=keys)
+            outs = llm.generate(prompts, sp(2 + rep, T), use_tqdm=False, prompt_keys=keys)
             acc[0] += time.perf_counter() - t0
             acc[1] += sum(len(o.token_ids) for o in outs)
-    rows, base = [], None
-    for (name, spec, _), (llm, (seconds, tokens)) in ((v, engines[v[0]]) for v in variants if v[0] in engines):
+    rows, base = [], {}     # base[T]: the first (AR) row of that temperature
+    for (name, spec, _, T), (llm, _, (seconds, tokens)) in ((v, engines[v[0]]) for v in variants if v[0] in engines):
         s = llm.summary()
-        base = base or (seconds, tokens / seconds)
-        rows.append(dict(name=name, workload=label, tokens=tokens, seconds=seconds, tokens_per_s=tokens / seconds,
+        b = base.setdefault(T, (seconds, tokens / seconds))
+        rows.append(dict(name=name, workload=label, temperature=T, tokens=tokens, seconds=seconds,
+                         tokens_per_s=tokens / seconds,
                          target_forwards=s["target_forwards"],
                          target_forwards_per_token=s["target_forwards_per_token"],
                          mean_accepted_len=s["mean_accepted_len"] if spec else 1.0,
                          acceptance_rate=s["acceptance_rate"] if spec else None,
-                         speedup=tokens / seconds / base[1], wall_speedup=base[0] / seconds, lossy=s["lossy"]))
+                         speedup=tokens / seconds / b[1], wall_speedup=b[0] / seconds, lossy=s["lossy"]))
     return rows
