@@ -99,8 +99,8 @@ def run(args) -> list[dict]:
             acc[0] += time.perf_counter() - t0
             acc[1] += sum(len(o.token_ids) for o in outs)
     rows, base = [], {}     # base[T]: the first (AR) row of that temperature
-    for (name, spec, _, T), (llm, _, (seconds, tokens)) in ((v, engines[v[0]]) for v in variants if v[0] in engines):
-        s = llm.summary()
+    for name, (llm, T, (seconds, tokens)) in engines.items():      # variants' order, skipped ones left out
+        s, spec = llm.summary(), llm.drafter is not None
         b = base.setdefault(T, (seconds, tokens / seconds))
         rows.append(dict(name=name, workload=label, temperature=T, tokens=tokens, seconds=seconds,
                          tokens_per_s=tokens / seconds,

@@ -553,15 +553,15 @@ def build_policy(cfg, llm) -> SpeculationPolicy | None:
         return None
     ladder = DraftLengthLadder(cfg.draft_ladder, cfg.ladder_up, cfg.ladder_down) if cfg.adaptive_draft_length else None
     auto_budgets = bool(cfg.length_classes) and cfg.length_class_budgets is None
-    latency = None
+    latency, max_seqs = None, llm.scheduler.max_num_seqs
     if cfg.toggle or auto_budgets:
-        latency, ctx, max_seqs = LatencyModel(), min(64, llm.max_model_len // 2), llm.scheduler.max_num_seqs
+        latency, ctx = LatencyModel(), min(64, llm.max_model_len // 2)
         latency.calibrate(llm.time_forward, batch_sizes=[b for b in (1, 8, 32) if b <= max_seqs],
                           ctx_lens=[ctx // 2, ctx], query_lens=[1, 4, 8], repeats=3)
     classes = None
     if auto_budgets:    # DAS budgets per length class, from this machine's cost model
         max_k = max(cfg.draft_ladder) if ladder is not None or llm.drafter is None else llm.default_draft_len()
-        classes = LengthClasses.for_engine(latency, cfg.length_classes, llm.scheduler.max_num_seqs, max_k=max_k,
+        classes = LengthClasses.for_engine(latency, cfg.length_classes, max_seqs, max_k=max_k,
                                            min_speedup=cfg.toggle_min_speedup)
     elif cfg.length_classes:
         classes = LengthClasses(cfg.length_classes, cfg.length_class_budgets)
