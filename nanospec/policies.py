@@ -126,20 +126,10 @@ def expected_accepted(alpha: float, k: int) -> float:
     return float(sum(alpha ** i for i in range(1, k + 1)))
 
 
-def predicted_speedup(latency: LatencyModel, batch_size: float, ctx_len: float, k: int,
-                      expected_accepted_tokens: float, draft_time: float) -> float:
-    """(E[accepted] + 1 bonus) tokens per verify step, over the tokens one plain decode gives in the
-    same time: (E + 1) * t(B, C, 1) / (draft_time + t(B, C, k + 1))."""
-    _check(_is_int(k) and k >= 1, "k", "an int >= 1", k)
-    _check(0 <= expected_accepted_tokens <= k, "expected_accepted_tokens", f"in [0, k={k}]",
-           expected_accepted_tokens)
-    _check(draft_time >= 0, "draft_time", "seconds >= 0", draft_time)
-    return _speedup(latency, batch_size, ctx_len, k, expected_accepted_tokens, draft_time,
-                    latency.predict(batch_size, ctx_len, 1))
-
-
 def _speedup(latency, batch_size, ctx_len, k, expected_accepted_tokens, draft_time, t_ar) -> float:
-    """`predicted_speedup` without the checks, t_ar given: best_k calls it ~k times per drafter per step."""
+    """(E[accepted] + 1 bonus) tokens per verify step, over the tokens one plain decode gives in the
+    same time: (E + 1) * t(B, C, 1) / (draft_time + t(B, C, k + 1)); t_ar = t(B, C, 1) is passed in
+    because best_k evaluates this for every k of a step."""
     return (expected_accepted_tokens + 1) * t_ar / (draft_time + latency.predict(batch_size, ctx_len, k + 1))
 
 
@@ -168,11 +158,6 @@ class SpeculationToggle:
         _check(min_speedup > 0, "min_speedup", "> 0", min_speedup)
         self.latency, self.min_speedup = latency, min_speedup
         self.reset_stats()
-
-    def decide(self, batch_size: float, ctx_len: float, k: int, expected_accepted_tokens: float,
-               draft_time: float) -> tuple[bool, float]:
-        s = predicted_speedup(self.latency, batch_size, ctx_len, k, expected_accepted_tokens, draft_time)
-        return self._count(s >= self.min_speedup, s), s
 
     def choose(self, batch_size: float, ctx_len: float, max_k: int, alpha: float,
                draft_time: float) -> tuple[int, float]:

@@ -66,22 +66,16 @@ def test_expected_accepted():
 
 
 def test_toggle_threshold_and_batch_dependence():
-    lat = LatencyModel(coef=[1, 0, 1, 0, 0])  # t = 1 + B*Q: B=1 -> t_ar=2, t_verify(k=3)=5
+    lat = LatencyModel(coef=[1, 0, 1, 0, 0])  # t = 1 + B*Q: B=1 -> t_ar=2, t_verify(k=1)=3
     tog = SpeculationToggle(lat, min_speedup=1.25)
-    on, s = tog.decide(1, 10, 3, 2.125, 0.0)  # (2.125 + 1) * 2 / 5 == 1.25 exactly
-    assert on and s == 1.25
-    on, s = tog.decide(1, 10, 3, 2.12, 0.0)
-    assert not on and s < 1.25
-    on, s = tog.decide(1, 10, 3, 3.0, 0.0)    # pays at batch 1 ...
-    assert on and s == pytest.approx(1.6)
-    on, s = tog.decide(64, 10, 3, 3.0, 0.0)   # ... but not at batch 64: verify ~4x a decode
-    assert not on and s == pytest.approx(4 * 65 / 257)
-    on, _ = tog.decide(1, 10, 3, 3.0, 2.0)    # a slow drafter turns it off
-    assert not on
+    assert tog.choose(1, 10, 1, 0.875, 0.0) == (1, 1.25)     # (0.875 + 1) * 2 / 3 == 1.25 exactly: on
+    k, s = tog.choose(1, 10, 1, 0.87, 0.0)
+    assert k == 0 and s < 1.25                               # just below: off
+    assert tog.choose(1, 10, 3, 1.0, 0.0) == (3, pytest.approx(1.6))         # pays at batch 1 ...
+    assert tog.choose(64, 10, 3, 1.0, 0.0) == (0, pytest.approx(4 * 65 / 257))   # ... not at batch 64
+    assert tog.choose(1, 10, 3, 1.0, 2.0)[0] == 0           # a slow drafter turns it off
     st = tog.stats()
     assert st["toggle_steps"] == 5 and st["toggle_on_steps"] == 2 and st["toggle_on_fraction"] == 0.4
-    with pytest.raises(ValueError, match="expected_accepted_tokens"):
-        tog.decide(1, 10, 3, 4.0, 0.0)
     assert best_k(lat, 1, 10, 0.9) == (3, pytest.approx(3.439 * 2 / 5))
     # choose(): the cost-optimal length up to the ladder's rung, 0 where even k=1 does not pay
     assert tog.choose(1, 10, 8, 0.9, 0.0) == (3, pytest.approx(3.439 * 2 / 5))
