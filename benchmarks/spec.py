@@ -11,6 +11,10 @@ row needs a draft model directory (`--draft`, default runs/draft, made by `make 
 differ between variants (same distribution, different draws), so `speedup` compares tokens/s;
 `wall_speedup` compares the batch's wall time.
 Without the SFT model the workload falls back to G samples of one repeated prompt on a random model.
+
+A second table splits each variant's time by *phase* of the batch's drain (unfinished rows / all rows:
+full, half, quarter, tail): where speculation wins and where it does not (compute-bound full batches
+on CPU, the tail's hard-to-draft stragglers).
 """
 import argparse
 import time
@@ -35,6 +39,43 @@ VARIANTS = [    # (name, speculative config, engine-level policies: None or Poli
 # so every draft is accepted and only the cost of verifying k+1 positions per row remains. Compared with
 # greedy AR (greedy answers differ from T=1 ones in length, so the two groups have separate baselines).
 CEILING = [("AR, greedy", None, None), ("prior, greedy (every draft right: ceiling)", PRIOR, None)]
+PHASES = (("> 1/2", 0.5, 1.0), ("1/4-1/2", 0.25, 0.5), ("1/16-1/4", 1 / 16, 0.25), ("<= 1/16", 0.0, 1 / 16))
+
+
+def track_phases(llm, num_rows: int) -> list[list[float]]:
+    """Wrap llm.step: [seconds, tokens] per phase, by the fraction of rows still unfinished."""
+    acc = [[0.0, 0] for _ in PHASES]
+    step = llm.step
+
+    def timed_step():
+        left = (len(llm.scheduler.running) + len(llm.scheduler.waiting)) / num_rows
+        a = acc[next(i for i, (_, lo, hi) in enumerate(PHASES) if lo < left <= hi)]
+        before, t0 = llm.stats["generated_tokens"], time.perf_counter()
+        finished = step()
+        a[0] += time.perf_counter() - t0
+        a[1] += llm.stats["generated_tokens"] - before
+        return finished
+    llm.step = timed_step
+    return acc
+
+
+def print_phases(rows: list[dict]) -> None:
+    """Per phase: speedup (tokens/s vs that phase of the same temperature's AR) and share of the time."""
+    base = {}
+    print("\n== spec: by phase of the batch (unfinished rows / all): speedup vs AR in that phase, time share")
+    print("name".ljust(44) + "".join(label.rjust(18) for label, *_ in PHASES))
+    for r in rows:
+        b = base.setdefault(r["temperature"], r["phases"])
+        total = sum(p["seconds"] for p in r["phases"].values())
+        cells = []
+        for label, *_ in PHASES:
+            p, q = r["phases"][label], b[label]
+            if not (p["seconds"] and q["seconds"]):    # a phase this variant (or AR) never ran in
+                cells.append("-".rjust(18))
+                continue
+            speedup = p["tokens"] / p["seconds"] / (q["tokens"] / q["seconds"])
+            cells.append(f"{speedup:.2f}x {p['seconds'] / total:4.0%}".rjust(18))
+        print(r["name"][:43].ljust(44) + "".join(cells))
 
 
 def workload(model_dir, num_prompts: int):
@@ -85,13 +126,15 @@ def run(args) -> list[dict]:
             llm.policy = build_policy(PoliciesConfig(bubble_drafting=False, length_aware_assignment=False,
                                                      length_classes=[], **policies), llm)
         llm.generate(prompts, sp(1, T), use_tqdm=False, prompt_keys=keys)       # history pass
-        engines[name] = (llm, T, [0.0, 0])                                      # seconds, tokens
+        engines[name] = (llm, T, [0.0, 0], track_phases(llm, num_prompts * opts.G))   # seconds, tokens
     for rep in range(opts.reps):    # timed passes, variants interleaved: machine drift hits all alike
-        for name, (llm, T, acc) in engines.items():
+        for name, (llm, T, acc, phases) in engines.items():
             if hasattr(llm.drafter, "next_step"):
                 llm.drafter.next_step()
             if rep == 0:
                 llm.reset_stats()
+                for p in phases:
+                    p[:] = [0.0, 0]
                 if llm.policy is not None:
                     llm.policy.reset_stats()
             t0 = time.perf_counter()
@@ -99,7 +142,7 @@ def run(args) -> list[dict]:
             acc[0] += time.perf_counter() - t0
             acc[1] += sum(len(o.token_ids) for o in outs)
     rows, base = [], {}     # base[T]: the first (AR) row of that temperature
-    for name, (llm, T, (seconds, tokens)) in engines.items():      # variants' order, skipped ones left out
+    for name, (llm, T, (seconds, tokens), phases) in engines.items():    # variants' order, skipped ones left out
         s, spec = llm.summary(), llm.drafter is not None
         b = base.setdefault(T, (seconds, tokens / seconds))
         rows.append(dict(name=name, workload=label, temperature=T, tokens=tokens, seconds=seconds,
@@ -108,5 +151,7 @@ def run(args) -> list[dict]:
                          target_forwards_per_token=s["target_forwards_per_token"],
                          mean_accepted_len=s["mean_accepted_len"] if spec else 1.0,
                          acceptance_rate=s["acceptance_rate"] if spec else None,
-                         speedup=tokens / seconds / b[1], wall_speedup=b[0] / seconds, lossy=s["lossy"]))
+                         speedup=tokens / seconds / b[1], wall_speedup=b[0] / seconds, lossy=s["lossy"],
+                         phases={label: dict(seconds=t, tokens=n) for (label, *_), (t, n) in zip(PHASES, phases)}))
+    print_phases(rows)
     return rows

@@ -265,17 +265,21 @@ class LLM:
         host = torch.cat([n.unsqueeze(1).double(), toks.double(), lps.double()], 1).tolist()  # one sync
         finished, generated = [], 0
         for s, row, d, src in zip(seqs, host, drafts, proposal.sources):
-            n_acc = int(row[0])
-            self._count(src, len(d), n_acc)
+            n_acc, kept = int(row[0]), 0
             for t, lp in zip(row[1:2 + n_acc], row[2 + K:3 + K + n_acc]):
                 t = int(t)
                 s.token_ids.append(t)
                 s.logprobs.append(lp)
                 s.from_verify.append(bool(d))
-                generated += 1
+                kept += 1
                 reason = self._finish_reason(s, t)
                 if reason:
                     break
+            generated += kept
+            # a stop on an accepted draft drops the drafts after it: count only those before the stop,
+            # so every verify step emits accepted + 1 tokens (mean_accepted_len), here and in the policy
+            used = kept - 1 if kept <= n_acc else len(d)
+            self._count(src, used, min(n_acc, used))
             if not reason:
                 s.num_computed = len(s) - 1
                 s.num_draft_computed = min(s.num_draft_computed, s.num_computed)

@@ -49,7 +49,7 @@ def verify(logits: torch.Tensor, draft: torch.Tensor, num_draft: torch.Tensor, s
         lenient = lenient_q < 1 if lenient_q is not None else torch.zeros_like(p_d, dtype=torch.bool)
         if lenient_q is not None:
             q_d = torch.where(lenient, lenient_q, q_d)
-        accept = u_accept * q_d < p_d                                      # u < p/q, no division
+        accept = u_accept * q_d <= p_d          # u <= p/q, no division; u in (0, 1]: p = 0 never passes
         greedy_ok = draft == logits[:, :K].argmax(-1)
         accept = torch.where(st.greedy.unsqueeze(-1), greedy_ok, accept)
         accept &= torch.arange(K, device=logits.device) < num_draft.unsqueeze(-1)

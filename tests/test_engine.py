@@ -509,6 +509,23 @@ def test_stop_tokens_and_max_tokens(models):
     assert got.token_ids == ref[0].token_ids[:ref[0].token_ids.index(eos) + 1] and got.finish_reason == "stop"
 
 
+def test_stop_inside_an_accepted_run_counts_only_the_drafts_before_it(models):
+    """Drafts after a stop token are verified but never emitted: they count neither as proposed nor as
+    accepted, so each verify step emits accepted + 1 tokens and the policy sees what was used."""
+    model, p = models["llama"], ragged_prompts(1, seed=5, lo=3, hi=6)[0]
+    ref = LLM(model, block_size=4).generate([p], SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)[0]
+    i = next(i for i in range(2, 9) if ref.token_ids[i] not in ref.token_ids[:i])   # a stop first seen at i
+    llm = LLM(model, block_size=4, speculative={"method": "prior", "num_draft_tokens": 8})
+    llm.drafter.add(tuple(p), ref.token_ids)               # the greedy answer itself: every draft is right
+    out = llm.generate([p], SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[ref.token_ids[i]]),
+                       use_tqdm=False)[0]
+    assert out.token_ids == ref.token_ids[:i + 1] and out.finish_reason == "stop"
+    # prefill emits token 0; one verify step drafts tokens 1..8, keeps 1..i and stops on token i
+    st = llm.stats
+    assert (st["verify_steps"], st["proposed_tokens"], st["accepted_tokens"]) == (1, i - 1, i - 1)
+    assert llm.summary()["mean_accepted_len"] == i == len(out.token_ids) - 1
+
+
 # ---- abort -------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("spec", [None, {"method": "ngram", "num_draft_tokens": 3}])
 def test_abort_frees_blocks_and_leaves_others_unchanged(models, spec):
