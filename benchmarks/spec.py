@@ -129,7 +129,7 @@ def run(args) -> list[dict]:
         engines[name] = (llm, T, [0.0, 0], track_phases(llm, num_prompts * opts.G))   # seconds, tokens
     for rep in range(opts.reps):    # timed passes, variants interleaved: machine drift hits all alike
         for name, (llm, T, acc, phases) in engines.items():
-            if hasattr(llm.drafter, "next_step"):
+            if llm.drafter is not None:
                 llm.drafter.next_step()
             if rep == 0:
                 llm.reset_stats()

@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .drafters.chain import members
 from .loader import save_model
 
 MANIFEST = "COMPLETE.json"
@@ -136,10 +137,6 @@ def load_checkpoint(path, rank: int = 0, world_size: int = 1) -> tuple[dict, dic
     return trainer_state, rank_state
 
 
-def _members(llm) -> list:
-    return getattr(llm.drafter, "drafters", [llm.drafter] if llm.drafter is not None else [])
-
-
 def flat_dumps(obj) -> bytes:
     """pickle without deep recursion: instances of nanospec classes with __slots__ (suffix-trie nodes,
     prior-cache entries) are stored one at a time in a table and referenced by index, so a linked
@@ -186,16 +183,16 @@ def engine_state(llm) -> dict:
     suffix tries), the speculation policy (ladder rungs, latency model) and model drafters' RNG.
     Without it a resumed run drafts differently, which consumes the sampler's uniforms differently."""
     drafters = [{"generator": d.generator.get_state()} if d.needs_kv else flat_dumps(dict(vars(d)))
-                for d in _members(llm)]
+                for d in members(llm.drafter)]
     return {"drafters": drafters, "policy": flat_dumps(dict(vars(llm.policy))) if llm.policy is not None else None}
 
 
 def load_engine_state(llm, state: dict) -> None:
-    members = _members(llm)
-    if len(members) != len(state["drafters"]):
+    drafters = members(llm.drafter)
+    if len(drafters) != len(state["drafters"]):
         raise ValueError(f"checkpoint has state for {len(state['drafters'])} drafters, rollout.speculative "
-                         f"configures {len(members)}: resume with the same speculative config")
-    for d, st in zip(members, state["drafters"]):
+                         f"configures {len(drafters)}: resume with the same speculative config")
+    for d, st in zip(drafters, state["drafters"]):
         if d.needs_kv:
             d.generator.set_state(st["generator"])
         else:

@@ -165,7 +165,7 @@ class PoliciesConfig:
     toggle: bool = True                 # speculate only where the cost model predicts a speedup
     toggle_min_speedup: float = 1.05
     adaptive_draft_length: bool = True  # acceptance-aware ladder (EfficientRollout)
-    draft_ladder: list[int] = field(default_factory=lambda: [3, 5, 7, 9, 11])
+    draft_ladder: list[int] = field(default_factory=lambda: [2, 4, 6, 8])  # capped at num_draft_tokens
     ladder_up: float = 0.94
     ladder_down: float = 0.85
 

@@ -24,6 +24,8 @@ from tqdm.auto import tqdm
 from . import speculative
 from .block_manager import BlockManager
 from .drafters.base import Drafter, Proposal
+from .drafters.chain import DEFAULT_DRAFT_TOKENS, make_drafter
+from .drafters.model_drafter import build_model_drafter
 from .loader import load_model, resolve_dtype
 from .model import CausalLM
 from .runner import Runner
@@ -71,16 +73,21 @@ class LLM:
         if num_kv_blocks is None and self.model.model.embed_tokens.weight.is_cuda:
             from .cuda_graphs import kv_blocks_for_memory
             num_kv_blocks = kv_blocks_for_memory(self.model, block_size, gpu_memory_utilization)
-            specs = speculative if isinstance(speculative, list) else [speculative or {}]
-            if any(s.get("method") in ("self", "draft_model") for s in specs):
+            if any(isinstance(s, dict) and s.get("method") in ("self", "draft_model")
+                   for s in (speculative if isinstance(speculative, list) else [speculative])):
                 num_kv_blocks //= 2     # a model drafter keeps a second cache over the same block ids
         num_kv_blocks = num_kv_blocks or max_num_seqs * blocks_per_seq
         self.blocks = BlockManager(num_kv_blocks, block_size, prefix_caching)
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens or
                                    max(self.max_model_len, 4096))
-        if use_cuda_graphs:   # GPU: decode/verify steps replay captured graphs (cuda_graphs.py)
-            from .cuda_graphs import GraphRunner
-            self.runner = GraphRunner(self.model, num_kv_blocks, block_size, max_num_seqs, self.max_model_len)
+        specs = speculative if isinstance(speculative, list) else [speculative] if speculative else []
+        # the most drafts a sequence gets per step (policies' ladders move below it)
+        self.num_draft_tokens = max((s.get("num_draft_tokens", DEFAULT_DRAFT_TOKENS) for s in specs
+                                     if isinstance(s, dict)), default=0)
+        if use_cuda_graphs:   # GPU: decode/verify steps replay captured graphs (cuda_graphs.py), all of
+            from .cuda_graphs import GraphRunner   # them: Q = 1 + drafts (capture is lazy per Q)
+            self.runner = GraphRunner(self.model, num_kv_blocks, block_size, max_num_seqs, self.max_model_len,
+                                      max_q=1 + self.num_draft_tokens)
         else:
             self.runner = Runner(self.model, num_kv_blocks, block_size)
         self.device = self.runner.device
@@ -88,27 +95,13 @@ class LLM:
         self.eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         self.generator = torch.Generator().manual_seed(seed)
         self._st_key = self._st = None   # SamplingTensors of the last step's batch, reused while it repeats
-        self.spec_config = speculative
-        self.drafter: Drafter | None = self._make_drafter(speculative) if speculative else None
+        self.drafter: Drafter | None = make_drafter(
+            speculative, model_drafter_factory=lambda spec: build_model_drafter(spec, self)) if speculative else None
         self.policy = policy      # optional policies.SpeculationPolicy: per-seq budgets, toggle, ladder
         if self.drafter is not None and self.drafter.lossy:
             warnings.warn("speculative config uses a LOSSY option (lenience): samples no longer follow "
                           "the target distribution exactly; stats are labelled lossy", stacklevel=2)
         self.reset_stats()
-
-    # ---- drafters -------------------------------------------------------------------------------
-    def _make_drafter(self, spec) -> Drafter:
-        from .drafters.chain import make_drafter
-        return make_drafter(spec, model_drafter_factory=self._model_drafter, vocab_size=self.vocab_size)
-
-    def _model_drafter(self, spec: dict) -> Drafter:
-        """Drafters that run a model with their own KV over our block tables (self / draft_model)."""
-        from .drafters.model_drafter import build_model_drafter
-        return build_model_drafter(spec, self)
-
-    def default_draft_len(self) -> int:
-        specs = self.spec_config if isinstance(self.spec_config, list) else [self.spec_config]
-        return max(int(s.get("num_draft_tokens", 5)) for s in specs)
 
     # ---- requests -------------------------------------------------------------------------------
     def _tokenize(self, prompt, i: int) -> list[int]:
@@ -151,11 +144,10 @@ class LLM:
         params = sampling_params or SamplingParams()
         if isinstance(prompts, (str,)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        for i, p in enumerate(prompts):     # validate every request before queueing any
-            params.validate(f"request {i}: SamplingParams")
-            self._tokenize(p, i)
+        params.validate("SamplingParams")
+        ids = [self._tokenize(p, i) for i, p in enumerate(prompts)]   # every request valid before any is queued
         seqs = []
-        for i, p in enumerate(prompts):
+        for i, p in enumerate(ids):
             seqs += self.add_request(p, params, i, None if prompt_keys is None else prompt_keys[i])
         bar = tqdm(total=len(seqs), disable=not use_tqdm, desc="generate", leave=False)
         while self.scheduler.has_work():
@@ -213,8 +205,8 @@ class LLM:
         empty = Proposal([[] for _ in seqs])
         if self.drafter is None:
             return empty
-        budgets = (self.policy.budgets(seqs, self.default_draft_len()) if self.policy is not None
-                   else [self.default_draft_len()] * len(seqs))
+        budgets = (self.policy.budgets(seqs, self.num_draft_tokens) if self.policy is not None
+                   else [self.num_draft_tokens] * len(seqs))
         if not any(budgets):       # the toggle's common "off" answer: skip the per-sequence work below
             return empty
         # never draft past max_tokens, the model's length, or the KV blocks we can get

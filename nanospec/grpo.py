@@ -35,7 +35,7 @@ from . import dist
 from .checkpoint import (engine_state, latest_checkpoint, list_checkpoints, load_checkpoint, load_engine_state,
                          rng_state, save_checkpoint, set_rng_state)
 from .config import config_to_dict, save_config, validate_world
-from .drafters.chain import find_drafter
+from .drafters.chain import find_drafter, members
 from .engine import LLM
 from .loader import load_model
 from .loss import group_advantages, logprob_mismatch, policy_loss, tis_weights, token_logprobs
@@ -187,7 +187,7 @@ class Trainer:
     def _reseed(self, step: int) -> None:
         """Engine RNG a function of (seed, step, rank): rollouts do not depend on the run's history."""
         self.llm.generator.manual_seed(hash_seed(self.cfg.run.seed, "rollout", step, self.rank))
-        for i, d in enumerate(getattr(self.llm.drafter, "drafters", [self.llm.drafter])):
+        for i, d in enumerate(members(self.llm.drafter)):
             if getattr(d, "generator", None) is not None:
                 d.generator.manual_seed(hash_seed(self.cfg.run.seed, "drafter", step, self.rank, i))
 
@@ -264,7 +264,7 @@ class Trainer:
 
     def drafter_health(self, m: dict) -> None:
         d = find_drafter(self.llm.drafter, "self")
-        if d is not None and hasattr(d, "checksum_matches"):
+        if d is not None:
             ok = bool(d.checksum_matches(self.llm.model))
             m["drafter/self/checksum_ok"] = float(ok)
             if not ok:

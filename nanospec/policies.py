@@ -442,13 +442,14 @@ class SpeculationPolicy:
             rate = a / (a + r) if a + r else None
         return self.default_alpha if rate is None else rate
 
-    def _rung(self, source: str, default_k: int) -> int:
-        return self.ladder.current(source) if self.ladder is not None else default_k
+    def _rung(self, source: str, max_k: int) -> int:
+        """The ladder's draft length for `source`, never above the engine's num_draft_tokens (max_k)."""
+        return min(self.ladder.current(source), max_k) if self.ladder is not None else max_k
 
-    def budgets(self, seqs, default_k: int) -> list[int]:
+    def budgets(self, seqs, max_k: int) -> list[int]:
         seen = self.ladder.names if self.ladder is not None else list(self._tally)
         sources = list(dict.fromkeys(self.sources + seen)) or [""]
-        k = max(self._rung(n, default_k) for n in sources)
+        k = max(self._rung(n, max_k) for n in sources)
         ks = [k] * len(seqs)
         if self.classes is not None:
             ks = [min(k, self.classes.budget(max(getattr(s, "predicted_len", 0) or 0, s.num_completion_tokens)))
@@ -458,7 +459,7 @@ class SpeculationPolicy:
         if self.toggle is not None and any(ks):
             ctx = sum(len(s) for s in seqs) / len(seqs)
             for n in sources:
-                kn, _ = self.toggle.choose(len(seqs), ctx, min(self._rung(n, default_k), max(ks)),
+                kn, _ = self.toggle.choose(len(seqs), ctx, min(self._rung(n, max_k), max(ks)),
                                            self.alpha(n), (self.draft_time or 0.0) * len(seqs))
                 gap = self._gap.setdefault(n, [0, self.probe_every])
                 if kn:
@@ -470,7 +471,7 @@ class SpeculationPolicy:
                         kn = None
                 self._pays[n] = kn
             # draft no further than the longest length any source will use (0: nothing pays or probes)
-            cap = max(self._rung(n, default_k) if v is None else v for n, v in self._pays.items())
+            cap = max(self._rung(n, max_k) if v is None else v for n, v in self._pays.items())
             ks = [min(k, cap) for k in ks]
         return ks
 
@@ -545,7 +546,7 @@ def build_policy(cfg, llm) -> SpeculationPolicy | None:
                           ctx_lens=[ctx // 2, ctx], query_lens=[1, 4, 8], repeats=3)
     classes = None
     if auto_budgets:    # DAS budgets per length class, from this machine's cost model
-        max_k = max(cfg.draft_ladder) if ladder is not None or llm.drafter is None else llm.default_draft_len()
+        max_k = llm.num_draft_tokens or max(cfg.draft_ladder)
         classes = LengthClasses.for_engine(latency, cfg.length_classes, max_seqs, max_k=max_k,
                                            min_speedup=cfg.toggle_min_speedup)
     elif cfg.length_classes:

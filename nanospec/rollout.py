@@ -145,7 +145,7 @@ class RolloutWorker:
         llm = self.llm
         if llm.scheduler.has_work():
             raise RuntimeError("RolloutWorker.run: the engine still holds requests from elsewhere")
-        if hasattr(llm.drafter, "next_step"):
+        if llm.drafter is not None:
             llm.drafter.next_step()
         pred = [self.predict(p) for p in problems]
         assignment = assign_prompts(pred, self.world, self.cfg.policies.length_aware_assignment)

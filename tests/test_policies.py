@@ -230,3 +230,15 @@ def test_policy_toggles_each_drafter_on_its_own_acceptance_and_probes_with_backo
     assert pol.budgets(seqs, 4) == [0] * 8 and pol.stats()["spec_on_frac"] == 0.0   # nothing pays: no drafting
     with pytest.raises(ValueError, match="probe_every"):
         SpeculationPolicy(probe_every=0)
+
+
+def test_ladder_rungs_never_exceed_num_draft_tokens():
+    """num_draft_tokens is the engine's bound on drafts per step: a ladder that has climbed past it
+    (or starts above it) drafts at most that many, as vLLM's num_speculative_tokens."""
+    from nanospec.drafters.base import Proposal
+    from nanospec.policies import SpeculationPolicy
+    pol = SpeculationPolicy(ladder=DraftLengthLadder((3, 5, 7, 9, 11), start=4), sources=["suffix"])
+    seqs = [type("S", (), {"num_completion_tokens": 5, "__len__": lambda self: 20})() for _ in range(4)]
+    assert pol.budgets(seqs, 6) == [6] * 4 and pol.budgets(seqs, 12) == [11] * 4
+    out = pol.clip(Proposal([list(range(9))] * 4, sources=["suffix"] * 4), pol.budgets(seqs, 6)).tokens
+    assert [len(t) for t in out] == [6] * 4

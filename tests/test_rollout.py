@@ -346,7 +346,7 @@ def test_build_policy_takes_class_budgets_from_the_calibrated_cost_model_unless_
     from nanospec.policies import LengthClasses
     llm = make_llm(model_dir, tok)
     pol = build_policy(PoliciesConfig(length_classes=[8, 16], length_class_budgets=None), llm)
-    want = LengthClasses.for_engine(pol.toggle.latency, [8, 16], llm.scheduler.max_num_seqs, max_k=11)
+    want = LengthClasses.for_engine(pol.toggle.latency, [8, 16], llm.scheduler.max_num_seqs, max_k=llm.num_draft_tokens)
     assert pol.classes.thresholds == (8, 16) and pol.classes.budgets == want.budgets
     pol = build_policy(PoliciesConfig(length_classes=[8, 16], length_class_budgets=[0, 2, 4], toggle=False), llm)
     assert pol.classes.budgets == (0, 2, 4) and pol.toggle is None

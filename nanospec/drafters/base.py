@@ -11,7 +11,7 @@ them in one batched forward (speculative.py). Two kinds exist:
 
 Lifecycle hooks, all optional: `observe(seq)` when a sequence finishes (history-based drafters learn
 from it), `free(seq)` when a sequence leaves the engine (finished or aborted; drop per-seq state),
-`refresh(model)` after each policy update (weight sync).
+`refresh(model)` after each policy update (weight sync), `next_step()` once per rollout step.
 """
 from __future__ import annotations
 
@@ -73,3 +73,6 @@ class Drafter:
 
     def refresh(self, model: torch.nn.Module) -> None:
         """The policy's weights changed (after an optimizer step): resync anything derived."""
+
+    def next_step(self) -> None:
+        """A new rollout step begins (history drafters age their windows)."""

@@ -102,21 +102,21 @@ class ChainDrafter(Drafter):
 
     def next_step(self) -> None:
         for d in self.drafters:
-            if hasattr(d, "next_step"):
-                d.next_step()
+            d.next_step()
+
+
+def members(drafter: Drafter | None) -> list[Drafter]:
+    """The drafters behind an engine's `drafter`: a chain's members, the drafter itself, or none."""
+    return [] if drafter is None else list(getattr(drafter, "drafters", [drafter]))
 
 
 def find_drafter(drafter: Drafter | None, name: str) -> Drafter | None:
     """The drafter called `name`, itself or a chain member (e.g. the "prior" one, to add() bubble drafts)."""
-    if drafter is None:
-        return None
-    for d in getattr(drafter, "drafters", [drafter]):
-        if d.name == name:
-            return d
-    return None
+    return next((d for d in members(drafter) if d.name == name), None)
 
 
 _METHODS = {"ngram": NgramDrafter, "suffix": SuffixDrafter, "prior": PriorRolloutDrafter}
+DEFAULT_DRAFT_TOKENS = 5     # num_draft_tokens when a method dict leaves it out (configs/*.yaml must set it)
 _MODEL_METHODS = ("self", "draft_model")
 ENGINE_KEYS = {"method", "num_draft_tokens"}   # read by the engine, not passed to the drafter
 
@@ -133,7 +133,7 @@ def make_drafter(spec, **ctx) -> Drafter | None:
         return members[0] if len(members) == 1 else ChainDrafter(members)
     if not isinstance(spec, dict) or "method" not in spec:
         raise ValueError(f"speculative: expected a dict with a 'method' key, got {spec!r}")
-    method, k = spec["method"], spec.get("num_draft_tokens", 1)
+    method, k = spec["method"], spec.get("num_draft_tokens", DEFAULT_DRAFT_TOKENS)
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"speculative[{method}]: num_draft_tokens must be an int >= 1, got {k!r}")
     if method in _MODEL_METHODS:
