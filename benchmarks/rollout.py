@@ -91,7 +91,7 @@ def _rank_main(rank, port, model_path, opts, out_path):
         if spec == "bad":
             llm.drafter = bad_drafter(llm.vocab_size)
         llm.policy = build_policy(cfg.policies, llm)
-        workers[name] = RolloutWorker(llm, tok, task, cfg, rank, 2)
+        workers[name] = RolloutWorker(llm, tok, cfg, rank, 2)
     start = {k: v.clone() for k, v in next(iter(workers.values())).llm.model.state_dict().items()}
     results = {name: [] for name in workers}
     for s in range(opts["steps"]):

@@ -6,6 +6,7 @@ rollout worker keep one code path. gloo on CPU, nccl on GPU.
 from __future__ import annotations
 
 import datetime
+import hashlib
 import os
 
 import torch
@@ -33,13 +34,6 @@ def init_distributed(backend: str | None = None, timeout_s: float = 1800.0) -> t
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     return rank(), world_size()
-
-
-def set_threads_per_rank() -> int:
-    """Split this host's cores between its ranks, so ranks do not steal each other's cores."""
-    n = max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world_size())))
-    torch.set_num_threads(n)
-    return n
 
 
 def all_gather_object(obj) -> list:
@@ -105,3 +99,23 @@ class DoneSignal:
     def wait(self) -> None:
         if not self.done():
             self.store.wait([self.key + "/all"])
+
+
+def all_reduce_grads(params: list) -> None:
+    """SUM every gradient over ranks through one flat buffer (exact; no-op without a process group)."""
+    if not is_dist():
+        return
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    flat = torch.cat([p.grad.flatten() for p in params])
+    torch.distributed.all_reduce(flat)
+    i = 0
+    for p in params:
+        p.grad.copy_(flat[i:i + p.numel()].view_as(p))
+        i += p.numel()
+
+
+def hash_seed(*parts) -> int:
+    """A stable 63-bit seed from anything printable (Python's hash() is salted per process)."""
+    return int.from_bytes(hashlib.blake2b("/".join(map(str, parts)).encode(), digest_size=8).digest(), "big") >> 1

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import time
-import warnings
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,9 +97,7 @@ class LLM:
         self.drafter: Drafter | None = make_drafter(
             speculative, model_drafter_factory=lambda spec: build_model_drafter(spec, self)) if speculative else None
         self.policy = policy      # optional policies.SpeculationPolicy: per-seq budgets, toggle, ladder
-        if self.drafter is not None and self.drafter.lossy:
-            warnings.warn("speculative config uses a LOSSY option (lenience): samples no longer follow "
-                          "the target distribution exactly; stats are labelled lossy", stacklevel=2)
+        # a LOSSY drafter (lenience) warned when it was built; summary()["lossy"] labels every stat
         self.reset_stats()
 
     # ---- requests -------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ from . import dist
 from .checkpoint import (engine_state, latest_checkpoint, list_checkpoints, load_checkpoint, load_engine_state,
                          rng_state, save_checkpoint, set_rng_state)
 from .config import config_to_dict, save_config, validate_world
+from .dist import all_reduce_grads, hash_seed
 from .drafters.chain import find_drafter, members
 from .engine import LLM
 from .loader import load_model
@@ -43,7 +44,7 @@ from .policies import build_policy
 from .report import headline, load_metrics
 from .rollout import RolloutWorker, Sample
 from .sequence import SamplingParams
-from .sft import all_reduce_grads, hash_seed, prepare_sft_model
+from .sft import prepare_sft_model
 from .tasks import task_from_config
 
 
@@ -163,7 +164,7 @@ class Trainer:
             self.log(f"[policy] answer-length classes split at {', '.join(f'{t:g}' for t in c.thresholds)} "
                      f"tokens -> draft budgets {list(c.budgets)}"
                      + (" (cost model)" if cfg.policies.length_class_budgets is None else ""))
-        self.worker = RolloutWorker(self.llm, self.tokenizer, self.task, cfg, self.rank, self.world)
+        self.worker = RolloutWorker(self.llm, self.tokenizer, cfg, self.rank, self.world)
         self.opt = torch.optim.AdamW(self.policy.parameters(), lr=g.learning_rate, weight_decay=g.weight_decay)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: min(1.0, (s + 1) / (g.warmup_steps + 1)))
         self.pool = self.task.train(cfg.task.num_train)
@@ -200,7 +201,7 @@ class Trainer:
         g, t0 = self.cfg.grpo, time.perf_counter()
         texts = [self.text(s) for s in samples]
         rewards = [self.task.reward(s.problem, t) for s, t in zip(samples, texts)]
-        adv, _ = group_advantages(torch.tensor(rewards), g.num_generations, g.scale_rewards)
+        adv = group_advantages(torch.tensor(rewards), g.num_generations, g.scale_rewards)
         pad = self.tokenizer.pad_token_id or 0
         mbs = [make_microbatch([samples[i] for i in idx], adv[idx], pad, self.device)
                for idx in micro_batches(samples, g.gradient_accumulation_steps)]
@@ -236,7 +237,7 @@ class Trainer:
             for b, n in enumerate(mb.mask.sum(1).long().tolist()):
                 logps.append((o[b, :n].tolist(), mb.rollout_lp[b, :n].tolist(), mb.from_verify[b, :n].tolist()))
         return dict(rewards=rewards, correct=[self.task.is_correct(s.problem, t) for s, t in zip(samples, texts)],
-                    lengths=[len(s.completion_ids) for s in samples], logps=logps, agg=dict(agg),
+                    logps=logps, agg=dict(agg),
                     loss=sum(losses) / len(losses), grad_norm=norms[-1], time=time.perf_counter() - t0)
 
     def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:
@@ -297,7 +298,6 @@ class Trainer:
     def _merge(self, recs: list[dict]) -> dict:
         G = self.cfg.grpo.num_generations
         rew = [x for r in recs for x in r["rewards"]]
-        lens = sorted(x for r in recs for x in r["lengths"])
         groups = [rew[i:i + G] for i in range(0, len(rew), G)]
         agg = defaultdict(float)
         for r in recs:
@@ -310,12 +310,11 @@ class Trainer:
         mask = pad([[1.0] * len(o) for o, _, _ in logps], 0.0)
         out.update(logprob_mismatch(pad([o for o, _, _ in logps], 0.0), pad([r for _, r, _ in logps], 0.0), mask,
                                     pad([f for _, _, f in logps], False)))
-        out.update(reward_mean=statistics.fmean(rew), reward_std=statistics.pstdev(rew),
+        # reward stats over all ranks (the rollout worker's metrics already hold the response lengths)
+        out.update(reward_mean=statistics.fmean(rew), reward_std=statistics.stdev(rew) if len(rew) > 1 else 0.0,
                    accuracy=statistics.fmean(float(c) for r in recs for c in r["correct"]),
                    frac_reward_zero_std=statistics.fmean(float(max(g) - min(g) < 1e-9) for g in groups),
-                   response_len_mean=statistics.fmean(lens), response_len_p50=lens[len(lens) // 2],
-                   response_len_max=lens[-1], loss=sum(r["loss"] for r in recs), grad_norm=recs[0]["grad_norm"],
-                   kl=out.get("kl"))
+                   loss=sum(r["loss"] for r in recs), grad_norm=recs[0]["grad_norm"], kl=out.get("kl"))
         return out
 
     # ---- evaluation: plain AR (drafters and policy detached, their state untouched) ----

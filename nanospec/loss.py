@@ -26,6 +26,8 @@ import math
 import torch
 from torch import Tensor
 
+from . import sampler
+
 
 def _check(name: str, t: Tensor, shape: tuple) -> None:
     if tuple(t.shape) != tuple(shape):
@@ -33,11 +35,11 @@ def _check(name: str, t: Tensor, shape: tuple) -> None:
 
 
 def group_advantages(rewards: Tensor, group_size: int, scale_rewards: bool = True, eps: float = 1e-4):
-    """rewards [N] group-major (G consecutive samples per prompt) -> (adv [N], stats).
+    """rewards [N] group-major (G consecutive samples per prompt) -> adv [N].
 
     A_i = r_i - mean_g(r)  [ / (std_g(r) + eps) if scale_rewards ], std unbiased (Bessel, as TRL's
     `.std(dim=1)`). A group whose rewards are all equal gets A = 0 either way: it carries no signal,
-    which `frac_reward_zero_std` reports (TRL's name).
+    which the trainer reports as `frac_reward_zero_std` (TRL's name).
     """
     if rewards.dim() != 1:
         raise ValueError(f"rewards: expected a 1-D tensor [N], got shape {tuple(rewards.shape)}")
@@ -48,10 +50,7 @@ def group_advantages(rewards: Tensor, group_size: int, scale_rewards: bool = Tru
     adv = r - mean
     if scale_rewards:
         adv = adv / (std + eps)
-    zero_std = torch.isclose(std, torch.zeros_like(std))
-    stats = {"reward_mean": r.mean().item(), "reward_std": r.flatten().std().item(),
-             "reward_group_std_mean": std.mean().item(), "frac_reward_zero_std": zero_std.float().mean().item()}
-    return adv.view(-1), stats
+    return adv.view(-1)
 
 
 def policy_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, epsilon: float = 0.2,
@@ -188,17 +187,14 @@ def logprob_mismatch(train_logp: Tensor, rollout_logp: Tensor, mask: Tensor,
 def token_logprobs(logits: Tensor, tokens: Tensor, temperature: float = 1.0) -> Tensor:
     """log softmax(logits / temperature)[tokens] over the full vocab, before top-k/top-p -> [B,T].
 
-    The trainer's recompute of the engine's `.logprobs` (DESIGN.md contract); temperature 0 (greedy)
-    is treated as 1. Computed as logit[token] - logsumexp(logits) in fp32, so no [B,T,V] log_softmax
-    is materialised besides the scaled fp32 copy; differentiable w.r.t. logits.
+    The trainer's recompute of the engine's `.logprobs`: the checked entry point to the one function
+    both use (sampler.token_logprobs), so rollout and trainer cannot drift apart. Temperature 0
+    (greedy) is treated as 1; differentiable w.r.t. logits.
     """
     if logits.dim() != 3:
         raise ValueError(f"logits: expected [B, T, V], got shape {tuple(logits.shape)}")
     _check("tokens", tokens, logits.shape[:2])
     if temperature < 0:
         raise ValueError(f"temperature: expected >= 0, got {temperature}")
-    x = logits.float()                                                           # [B,T,V]
-    if temperature not in (0, 1):
-        x = x / temperature
-    picked = x.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)              # [B,T]
-    return picked - torch.logsumexp(x, dim=-1)
+    return sampler.token_logprobs(logits, logits.new_full((logits.shape[0],), float(temperature)).float(),
+                                  tokens.long())

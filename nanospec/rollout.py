@@ -97,13 +97,13 @@ def _plain_stats(st) -> dict:
 
 
 class RolloutWorker:
-    def __init__(self, llm: LLM, tokenizer, task, cfg, rank: int = 0, world_size: int = 1):
+    def __init__(self, llm: LLM, tokenizer, cfg, rank: int = 0, world_size: int = 1):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank: expected an int in [0, world_size={world_size}), got {rank}")
         if world_size != dist.world_size():
             raise ValueError(f"world_size: expected {dist.world_size()} (the initialised process group; "
                              f"call dist.init_distributed() first), got {world_size}")
-        self.llm, self.tokenizer, self.task, self.cfg = llm, tokenizer, task, cfg
+        self.llm, self.tokenizer, self.cfg = llm, tokenizer, cfg
         self.rank, self.world = rank, world_size
         g, eos = cfg.grpo, tokenizer.eos_token_id
         self.params = SamplingParams(temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
@@ -244,7 +244,7 @@ class RolloutWorker:
             m[key] = sum(vals) / len(vals)
         busy, wall = [r["busy"] for r in ranks], max(elapsed, *(r["wall"] for r in ranks))
         work = rank_work(pred, assignment)
-        all_len = [x for ls in lengths.values() for x in ls]
+        all_len = sorted(x for ls in lengths.values() for x in ls)
         bub_tokens = [sum(len(ids) for _, ids, _ in r["drafts"]) for r in ranks]
         accepted = per["bubble"]["accepted"] if "bubble" in per else 0
         m.update(rank_busy_time=busy, rank_bubble_time=[r["bubble"] for r in ranks],
@@ -253,7 +253,8 @@ class RolloutWorker:
                  rollout_imbalance=imbalance(busy), predicted_imbalance=imbalance(work),
                  bubble_draft_tokens=sum(bub_tokens), bubble_draft_accepted=accepted,
                  bubble_draft_proposed=per["bubble"]["proposed"] if "bubble" in per else 0,
-                 response_len_mean=sum(all_len) / max(len(all_len), 1), response_len_max=max(all_len, default=0))
+                 response_len_mean=sum(all_len) / max(len(all_len), 1),
+                 response_len_p50=all_len[len(all_len) // 2] if all_len else 0, response_len_max=max(all_len, default=0))
         # Share of the previous step's bubble turned into accepted draft tokens: the share spent
         # drafting, times the fraction of those drafted tokens accepted now (capped at 1: one bubble
         # token can be accepted by several samples of its group).

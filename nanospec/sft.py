@@ -96,21 +96,6 @@ def collate(examples, idx: list[int], pad_id: int, max_len: int):
     return ids, mask
 
 
-def all_reduce_grads(params: list) -> None:
-    """SUM every gradient over ranks through one flat buffer (exact; no-op without a process group)."""
-    if not dist.is_dist():
-        return
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    flat = torch.cat([p.grad.flatten() for p in params])
-    torch.distributed.all_reduce(flat)
-    i = 0
-    for p in params:
-        p.grad.copy_(flat[i:i + p.numel()].view_as(p))
-        i += p.numel()
-
-
 def train_sft(cfg, tokenizer, log=print) -> CausalLM:
     """SFT from scratch on `cfg.sft.steps` length-bucketed batches; returns the fp32 model.
     Collective when a process group exists: rank r takes rows r, r+W, ... of every batch, the loss is
@@ -123,7 +108,7 @@ def train_sft(cfg, tokenizer, log=print) -> CausalLM:
         return model
     task = task_from_config(cfg.task)
     rng = random.Random(f"nanospec-sft/{seed}")
-    problems = task.sample("train", sc.steps * sc.batch_size, seed=hash_seed(seed, "sft"))
+    problems = task.sample("train", sc.steps * sc.batch_size, seed=dist.hash_seed(seed, "sft"))
     t0 = time.perf_counter()
     examples = [encode_example(task, tokenizer, p, rng, sc.error_rate) for p in problems]
     batches = length_buckets(examples, sc.batch_size, rng)
@@ -147,7 +132,7 @@ def train_sft(cfg, tokenizer, log=print) -> CausalLM:
             nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
             loss = (nll * mask).sum() / n_tok
             loss.backward()
-        all_reduce_grads(params)
+        dist.all_reduce_grads(params)
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         sched.step()
@@ -155,11 +140,6 @@ def train_sft(cfg, tokenizer, log=print) -> CausalLM:
         if (step + 1) % max(1, sc.steps // 10) == 0 or step + 1 == sc.steps:
             log(f"[sft] step {step + 1}/{sc.steps} loss ~{run:.4f} ({time.perf_counter() - t0:.0f}s)")
     return model.eval()
-
-
-def hash_seed(*parts) -> int:
-    """A stable 63-bit seed from anything printable (Python's hash() is salted per process)."""
-    return int.from_bytes(hashlib.blake2b("/".join(map(str, parts)).encode(), digest_size=8).digest(), "big") >> 1
 
 
 def sft_is_current(out_dir: Path, fp: dict) -> bool:

@@ -11,15 +11,13 @@ A = pytest.approx
 
 def test_group_advantages_scaled_unscaled_zero_std():
     r = torch.tensor([1.0, 3.0, 5.0, 5.0])                 # groups of 2: [1,3] and [5,5]
-    adv, st = group_advantages(r, 2)
+    adv = group_advantages(r, 2)
     s = math.sqrt(((1 - 2) ** 2 + (3 - 2) ** 2) / (2 - 1))  # unbiased std = sqrt(2)
-    assert adv.tolist() == A([-1 / (s + 1e-4), 1 / (s + 1e-4), 0.0, 0.0], abs=1e-6)
-    assert st["frac_reward_zero_std"] == 0.5 and st["reward_mean"] == A(3.5)
-    adv, _ = group_advantages(r, 2, scale_rewards=False)
+    assert adv.tolist() == A([-1 / (s + 1e-4), 1 / (s + 1e-4), 0.0, 0.0], abs=1e-6)   # equal group: 0
+    adv = group_advantages(r, 2, scale_rewards=False)
     assert adv.tolist() == A([-1.0, 1.0, 0.0, 0.0])
-    adv, st = group_advantages(torch.tensor([0.0, 0.0, 3.0]), 3)  # mean 1, var (1+1+4)/2 = 3
+    adv = group_advantages(torch.tensor([0.0, 0.0, 3.0]), 3)  # mean 1, var (1+1+4)/2 = 3
     assert adv.tolist() == A([-1 / (3 ** 0.5 + 1e-4), -1 / (3 ** 0.5 + 1e-4), 2 / (3 ** 0.5 + 1e-4)], abs=1e-6)
-    assert st["frac_reward_zero_std"] == 0.0
     with pytest.raises(ValueError, match="group_size"):
         group_advantages(r, 3)
 

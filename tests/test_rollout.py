@@ -62,7 +62,7 @@ def model_dir(tmp_path_factory, tok):
 def reference(model_dir, tok):
     """Plain greedy AR (no drafter, no policy): {prompt: (completion ids, logprobs)}."""
     probs = problems()
-    w = RolloutWorker(make_llm(model_dir, tok, spec=None), tok, None, greedy_cfg())
+    w = RolloutWorker(make_llm(model_dir, tok, spec=None), tok, greedy_cfg())
     outs = w.llm.generate([w.prompt_ids(p) for p in probs], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
                           use_tqdm=False)
     return {p.prompt: (o.token_ids, o.logprobs) for p, o in zip(probs, outs)}
@@ -90,7 +90,7 @@ def test_greedy_all_policies_identical_to_ar(model_dir, tok, reference):
     bubble drafting switched on: token-identical to plain AR over 3 steps with repeated prompts."""
     probs = problems(8)
     cfg = greedy_cfg()
-    w = RolloutWorker(make_llm(model_dir, tok, cfg=cfg), tok, None, cfg)
+    w = RolloutWorker(make_llm(model_dir, tok, cfg=cfg), tok, cfg)
     proposed = prior_accepted = 0
     for step, batch in enumerate([probs[0:4], probs[2:6], probs[2:6]]):
         order = assign_prompts([w.predict(p) for p in batch], 1, True)[0]
@@ -102,11 +102,11 @@ def test_greedy_all_policies_identical_to_ar(model_dir, tok, reference):
         prior_accepted += m.get("drafter/prior/accepted", 0)
         assert not w.llm.scheduler.has_work() and w.llm.num_free_blocks == w.llm.blocks.num_blocks
     assert proposed > 0 and prior_accepted > 0
-    w2 = RolloutWorker(w.llm, tok, None, cfg)
+    w2 = RolloutWorker(w.llm, tok, cfg)
     w2.load_state_dict(w.state_dict())
     assert w2.predict(probs[2]) == w.predict(probs[2]) == MAX_TOKENS
     with pytest.raises(ValueError, match="world_size"):
-        RolloutWorker(w.llm, tok, None, cfg, rank=0, world_size=2)        # no process group
+        RolloutWorker(w.llm, tok, cfg, rank=0, world_size=2)        # no process group
 
 
 class FakeSignal:
@@ -147,12 +147,12 @@ def test_bubble_drafts_are_exact_chi_square(tmp_path):
     llm = LLM(path, tokenizer=tok, block_size=4, max_model_len=16, max_num_seqs=5000, num_kv_blocks=20_000,
               speculative=[{"method": "prior", "num_draft_tokens": 3}], seed=1234)
     llm.policy = build_policy(cfg.policies, llm)                  # ladder only (clips per source)
-    w = RolloutWorker(llm, tok, None, cfg)
+    w = RolloutWorker(llm, tok, cfg)
     true = {k: v.clone() for k, v in llm.model.state_dict().items()}
     g = torch.Generator().manual_seed(0)
     llm.load_weights({k: v + 0.3 * v.std() * torch.randn(v.shape, generator=g) if v.dim() == 2 else v
                       for k, v in true.items()})
-    pre = RolloutWorker(llm, tok, None, Config(grpo=GRPOConfig(num_generations=16, max_completion_length=4)))
+    pre = RolloutWorker(llm, tok, Config(grpo=GRPOConfig(num_generations=16, max_completion_length=4)))
     drafts = pre._bubble(FakeSignal(2), [problem] * 16)           # prefill + 1 decode step, then abort
     assert len(drafts) == 16 and not llm.scheduler.has_work() and llm.num_free_blocks == 20_000
     assert any(len(ids) < 4 and ids[-1] != tok.eos_token_id for _, ids, _ in drafts), "no partial draft kept"
@@ -204,7 +204,7 @@ def _signal_case(rank, model_dir, tok):
 def _worker_case(rank, model_dir, tok):
     cfg = greedy_cfg()
     llm = make_llm(model_dir, tok, seed=rank, cfg=cfg)
-    w = RolloutWorker(llm, tok, None, cfg, rank, 2)
+    w = RolloutWorker(llm, tok, cfg, rank, 2)
     probs, log, arrivals = problems(), [], []
     if rank == 1:           # the straggler, deterministically: its last engine step ends 0.2 s after rank 0 arrived
         step_fn = llm.step
@@ -235,7 +235,7 @@ def _worker_case(rank, model_dir, tok):
     with warnings.catch_warnings(record=True) as rec:      # both ranks seed 7: must be told and reseeded
         warnings.simplefilter("always")
         shared = make_llm(model_dir, tok, seed=7, spec=None)
-        RolloutWorker(shared, tok, None, cfg, rank, 2)
+        RolloutWorker(shared, tok, cfg, rank, 2)
     reseed = ([str(r.message) for r in rec], shared.generator.initial_seed())
     return dict(res=res, steps=log, arrivals=arrivals, bubble_exits=exits, reseed=reseed, free=llm.num_free_blocks == llm.blocks.num_blocks)
 

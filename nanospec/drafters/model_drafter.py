@@ -29,7 +29,6 @@ On CPU NF4 is a correctness path (dequantize + matmul per layer), not a speed pa
 from __future__ import annotations
 
 import copy
-import time
 from pathlib import Path
 
 import torch
@@ -57,7 +56,6 @@ class ModelDrafter(Drafter):
         self.device = self.runner.device
         self.generator = torch.Generator().manual_seed(seed)   # draft sampling only, not verify's uniforms
         self.quantized = quantized or {}                       # policy module name -> its Linear4bit
-        self.refresh_seconds = 0.0
 
     @torch.inference_mode()
     def prefill(self, seqs: list[Sequence], tokens: list[list[int]], starts: list[int]) -> None:
@@ -94,12 +92,10 @@ class ModelDrafter(Drafter):
     @torch.no_grad()
     def refresh(self, model: nn.Module) -> None:
         """Re-quantize every Linear4bit from `model`'s current weights, into the same buffers."""
-        t0 = time.perf_counter()
         for name, lin in self.quantized.items():
             w4, qs = _quantize(model.get_submodule(name).weight, lin.weight.blocksize)
             lin.weight.data.copy_(w4)
             lin.weight.quant_state.absmax.copy_(qs.absmax)
-        self.refresh_seconds = time.perf_counter() - t0
 
     @torch.no_grad()
     def checksum_matches(self, model: nn.Module, rows: int = 16) -> bool:
