@@ -1,7 +1,7 @@
 """nanospec AR decoding vs `transformers.generate` on the same tiny model, prompts and max_tokens.
 
 Both greedy with EOS ignored, so both produce exactly batch * max_tokens tokens; each variant runs
-`repeats` times interleaved and the median is reported (DESIGN.md: +-10% run to run on this box).
+`repeats` times interleaved and the median is reported (+-10% run to run on a shared 2-core box).
 """
 import statistics
 import tempfile

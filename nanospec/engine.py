@@ -195,7 +195,7 @@ class LLM:
         self.stats["target_forwards"] += 1
         finished = self._verify_and_append(seqs, logits, proposal)
         if self.policy is not None:
-            self.policy.observe_forward(len(seqs), seqs, tokens, time.perf_counter() - t0)
+            self.policy.observe_forward(seqs, tokens, time.perf_counter() - t0)
         return finished
 
     def _propose(self, seqs: list[Sequence]) -> Proposal:

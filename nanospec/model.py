@@ -341,7 +341,7 @@ class CausalLM(nn.Module):
     def logits(self, hidden):
         return self.lm_head(hidden).float()
 
-    def new_kv_cache(self, num_blocks: int, block_size: int, dtype=None, device=None) -> torch.Tensor:
+    def new_kv_cache(self, num_blocks: int, block_size: int) -> torch.Tensor:
         """[L, 2, (num_blocks + 1) * block_size, n_kv, hd]; the extra block is the null block.
 
         Indexed by slot like that, but stored head-major ([L, 2, n_kv, slots, hd] permuted): gathering a
@@ -349,4 +349,4 @@ class CausalLM(nn.Module):
         a = self.args
         p = self.model.embed_tokens.weight
         return torch.zeros(a.num_layers, 2, a.num_kv_heads, (num_blocks + 1) * block_size, a.head_dim,
-                           dtype=dtype or p.dtype, device=device or p.device).transpose(2, 3)
+                           dtype=p.dtype, device=p.device).transpose(2, 3)

@@ -1,9 +1,10 @@
 """When and where to speculate: cost model, on/off toggle, draft-length ladder, length-aware scheduling.
 
 Everything here only chooses *how much* to speculate (on/off, k, which rank runs which prompt); none
-of it touches what is sampled, so every policy is exact by construction (DESIGN.md, Exactness).
-Sources: EfficientRollout (papers/004): system-aware toggle, acceptance-aware draft length;
-DAS (papers/001): length-aware inter-rank assignment and per-length speculation budgets;
+of it touches what is sampled, so every policy is exact by construction (speculative.py verifies).
+Sources: EfficientRollout: system-aware toggle, acceptance-aware draft length;
+DAS (distribution-aware speculative decoding): length-aware inter-rank assignment and per-length
+speculation budgets;
 Leviathan et al. 2023, eq. 1: expected tokens per verify step under i.i.d. acceptance.
 """
 from __future__ import annotations
@@ -40,7 +41,7 @@ class LatencyModel:
     Fit: nonnegative least squares on *relative* error (each row divided by its time). Nonnegative
     weights on nondecreasing features keep t monotone in B, C and Q, so noise never makes a longer
     verify look cheaper; relative error keeps the ~1 ms small-batch steps, where the toggle's call
-    matters most (DESIGN.md), as accurate as the 20 ms large-batch ones.
+    matters most (the rollout's tail), as accurate as the 20 ms large-batch ones.
     Online: `observe` keeps the `fit` samples as anchors (they cover Q > 1 even while the toggle is
     off and only decodes are timed) plus a bounded deque of recent samples; refit every `refit_every`.
     """
@@ -134,16 +135,16 @@ def _speedup(latency, batch_size, ctx_len, k, expected_accepted_tokens, draft_ti
 
 
 def best_k(latency: LatencyModel, batch_size: float, ctx_len: float, alpha: float,
-           draft_time_per_token: float = 0.0, max_k: int = 8, draft_time: float = 0.0) -> tuple[int, float]:
-    """The k in 1..max_k with the highest predicted speedup; drafting costs draft_time (a lookup's
-    fixed cost) + k * draft_time_per_token (a draft model's steps). Ties go to the shorter draft."""
+           max_k: int = 8, draft_time: float = 0.0) -> tuple[int, float]:
+    """The k in 1..max_k with the highest predicted speedup, drafting costing `draft_time` (the
+    measured propose() time of the batch). Ties go to the shorter draft."""
     _check(_is_int(max_k) and max_k >= 1, "max_k", "an int >= 1", max_k)
     _check(0.0 <= alpha <= 1.0, "alpha", "a probability in [0, 1]", alpha)
     t_ar, best, accepted, alpha_k = latency.predict(batch_size, ctx_len, 1), (1, -1.0), 0.0, 1.0
     for k in range(1, max_k + 1):      # expected_accepted(alpha, k), summed as k grows
         alpha_k *= alpha
         accepted += alpha_k
-        s = _speedup(latency, batch_size, ctx_len, k, accepted, draft_time + k * draft_time_per_token, t_ar)
+        s = _speedup(latency, batch_size, ctx_len, k, accepted, draft_time, t_ar)
         if s > best[1]:
             best = (k, s)
     return best
@@ -152,7 +153,7 @@ def best_k(latency: LatencyModel, batch_size: float, ctx_len: float, alpha: floa
 class SpeculationToggle:
     """System-aware on/off (EfficientRollout): speculate this step iff predicted speedup >= min_speedup.
     The engine passes the *measured* draft time, so a drafter that is slow on this machine (the nf4
-    self-drafter on CPU, DESIGN.md) is switched off by the numbers, not by a rule."""
+    self-drafter on CPU: bitsandbytes dequantizes per call) is switched off by the numbers, not by a rule."""
 
     def __init__(self, latency: LatencyModel, min_speedup: float = 1.05):
         _check(min_speedup > 0, "min_speedup", "> 0", min_speedup)
@@ -346,16 +347,15 @@ class LengthClasses:
     """Length -> class -> speculation budget (draft-length cap; the toggle still decides per step).
 
     Class i covers lengths in [thresholds[i-1], thresholds[i]) (class 0 from 0, the last unbounded).
-    Defaults (32, 128) / (0, 4, 8) follow the measured task (answers: median 4, p90 53, max 154
-    tokens; DESIGN.md): short answers finish while the batch is full, where a 6-token verify costs
-    2.2-2.8x a decode, so a wrong draft slows every sequence's step and they never set the rollout's
-    wall time -> 0; answers past 32 run as the batch shrinks -> 4; past 128 only stragglers remain,
-    at batch ~1, where a verify costs 1.3-1.8x a decode and long drafts pay -> 8.
-    `from_cost_model` / `for_engine` derive budgets from a fitted LatencyModel instead (the default:
-    `policies.length_class_budgets: null`).
+    Why budgets grow with length: short answers finish while the batch is full, where a CPU verify of
+    7 positions costs ~3x a decode (compute-bound) and a wrong draft slows every sequence's
+    step, yet they never set the rollout's wall time; long answers run as the batch shrinks, and the
+    last stragglers at batch ~1, where a verify costs little more than a decode and long drafts pay.
+    `for_engine` derives the budgets from a fitted LatencyModel (the default:
+    `policies.length_class_budgets: null`); the embedded task's classes are [18, 72] (~median, ~p90).
     """
 
-    def __init__(self, thresholds: Sequence[float] = (32, 128), budgets: Sequence[int] = (0, 4, 8)):
+    def __init__(self, thresholds: Sequence[float], budgets: Sequence[int]):
         thresholds, budgets = tuple(thresholds), tuple(budgets)
         _check(all(t > 0 for t in thresholds) and all(a < b for a, b in zip(thresholds, thresholds[1:])),
                "thresholds", "strictly increasing lengths > 0", thresholds)
@@ -374,8 +374,7 @@ class LengthClasses:
     @classmethod
     def from_cost_model(cls, latency: LatencyModel, thresholds: Sequence[float],
                         batch_sizes: Sequence[float], ctx_lens: Sequence[float], alpha: float,
-                        draft_time_per_token: float = 0.0, max_k: int = 8,
-                        min_speedup: float = 1.05) -> "LengthClasses":
+                        max_k: int = 8, min_speedup: float = 1.05) -> "LengthClasses":
         """Per class, the k maximising predicted speedup at that class's typical batch size and
         context (one entry per class), or 0 where even the best k is below min_speedup."""
         n = len(tuple(thresholds)) + 1
@@ -383,7 +382,7 @@ class LengthClasses:
                f"{n} entries each (one per class)", (batch_sizes, ctx_lens))
         budgets = []
         for B, C in zip(batch_sizes, ctx_lens):
-            k, s = best_k(latency, B, C, alpha, draft_time_per_token, max_k)
+            k, s = best_k(latency, B, C, alpha, max_k)
             budgets.append(k if s >= min_speedup else 0)
         return cls(thresholds, budgets)
 
@@ -493,17 +492,17 @@ class SpeculationPolicy:
         self._on_steps += any(out)
         return proposal
 
-    def observe_draft_time(self, seconds: float, num_seqs: int = 1) -> None:
+    def observe_draft_time(self, seconds: float, num_seqs: int) -> None:
         """One propose() call over `num_seqs` sequences: kept per sequence, so the cost measured on a
         full batch is not charged in full to a tail step of one straggler."""
         per = seconds / max(num_seqs, 1)
         self.draft_time = per if self.draft_time is None else 0.8 * self.draft_time + 0.2 * per
 
-    def observe_forward(self, batch_size: int, seqs, tokens, seconds: float) -> None:
+    def observe_forward(self, seqs, tokens, seconds: float) -> None:
         if self.toggle is not None:
             ctx = sum(len(s) for s in seqs) / len(seqs)
             # packed ragged steps cost ~ the real tokens: Q = mean tokens per sequence
-            self.toggle.latency.observe(batch_size, ctx, sum(map(len, tokens)) / len(tokens), seconds)
+            self.toggle.latency.observe(len(seqs), ctx, sum(map(len, tokens)) / len(tokens), seconds)
 
     def observe_acceptance(self, source: str, proposed: int, accepted: int) -> None:
         if self.ladder is not None:

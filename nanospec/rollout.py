@@ -1,4 +1,4 @@
-"""Synchronous data-parallel GRPO rollouts, with the rollout-system policies of issue 6.
+"""Synchronous data-parallel GRPO rollouts, with the rollout-system policies.
 
 Per step, every rank (same code, same global prompt list from the seeded data order):
   1. assigns prompts to ranks with no communication (every rank computes the same answer):

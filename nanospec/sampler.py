@@ -5,7 +5,7 @@ Two distributions exist per position, and they are deliberately different:
   autoregressive decoding samples from, and what speculative verification must reproduce exactly;
 * the *reported* logprob = log_softmax(logits / T)[token] over the full vocabulary, before top-k /
   top-p (T = 0, greedy, reports log_softmax(logits)). This is what the GRPO trainer recomputes from a
-  plain forward, so rollout and trainer agree without knowing the filters (DESIGN.md contract).
+  plain forward, so rollout and trainer agree without knowing the filters (the logprob contract).
 
 Randomness comes in as uniforms `u` drawn by the engine from each request's generator, so sampling is
 a pure batched tensor function (inverse CDF), graph-capturable and reproducible per request seed.

@@ -6,7 +6,7 @@ that is confident on most tokens (as a real policy is) but slips now and then, m
 so rewards vary within a group and GRPO has something to improve. Loss = mean cross-entropy over
 completion tokens only (prompt tokens are context, not targets). Batches are buckets of similar
 length (few padded tokens: ~4x the steps/s of random batches on CPU); bf16 autocast is optional
-(~1.4x on AVX512-bf16 CPUs, DESIGN.md).
+(~1.4x on AVX512-bf16 CPUs).
 
 The result is an HF directory (`loader.save_model`: loadable by transformers) in `sft.out_dir`,
 reused by later runs when its `sft_fingerprint.json` matches this config; a mismatching directory

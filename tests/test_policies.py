@@ -178,7 +178,7 @@ def test_lpt_balances_long_tail_better_than_round_robin():
 
 
 def test_length_classes_mapping_validation_and_cost_model():
-    lc = LengthClasses()
+    lc = LengthClasses((32, 128), (0, 4, 8))
     assert [lc.class_of(x) for x in (0, 31, 32, 127, 128, 1000)] == [0, 0, 1, 1, 2, 2]
     assert [lc.budget(x) for x in (5, 64, 500)] == [0, 4, 8]
     with pytest.raises(ValueError, match="budgets"):

@@ -6,7 +6,7 @@
 Each step `<label> <digit> <running sum>` is *local*: the label is the successor of the previous
 label, the digit is a lookup of that label in the prompt (an induction-head copy), and the sum is a
 10x10 table of (previous sum, digit). "Add numbers 0-19 with running sums" was too hard for a tiny
-model in minutes of CPU (DESIGN.md); this keeps the shape but makes every step learnable.
+model in minutes of CPU; this keeps the shape but makes every step learnable.
 
 Why the shape: the number of steps k follows a truncated Zipf law P(k) ~ k^-alpha on [min, max], so a
 response (4k+2 tokens) is ~18 tokens at the median, ~74 at p90 and ~106 at k=26: a few long rollouts

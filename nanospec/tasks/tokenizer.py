@@ -44,10 +44,10 @@ def build_tiny_vocab_tokenizer(words: list[str]) -> PreTrainedTokenizerFast:
     return fast
 
 
-def build_tokenizer(extra_words: list[str] | None = None) -> PreTrainedTokenizerFast:
-    """The embedded task's tokenizer: its vocabulary (see synthetic.VOCAB) plus `extra_words`."""
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """The embedded task's tokenizer: its vocabulary (see synthetic.VOCAB)."""
     from .synthetic import VOCAB
-    return build_tiny_vocab_tokenizer(VOCAB + list(extra_words or []))
+    return build_tiny_vocab_tokenizer(VOCAB)
 
 
 def format_prompt(tokenizer, text: str, **template_kwargs) -> list[int]:
