@@ -81,8 +81,8 @@ class LLM:
                                    max(self.max_model_len, 4096))
         specs = speculative if isinstance(speculative, list) else [speculative] if speculative else []
         # the most drafts a sequence gets per step (policies' ladders move below it)
-        self.num_draft_tokens = max((s.get("num_draft_tokens", DEFAULT_DRAFT_TOKENS) for s in specs
-                                     if isinstance(s, dict)), default=0)
+        ks = [s.get("num_draft_tokens", DEFAULT_DRAFT_TOKENS) for s in specs if isinstance(s, dict)]
+        self.num_draft_tokens = max((k for k in ks if isinstance(k, int)), default=0)   # bad ones: make_drafter says
         if use_cuda_graphs:   # GPU: decode/verify steps replay captured graphs (cuda_graphs.py), all of
             from .cuda_graphs import GraphRunner   # them: Q = 1 + drafts (capture is lazy per Q)
             self.runner = GraphRunner(self.model, num_kv_blocks, block_size, max_num_seqs, self.max_model_len,
