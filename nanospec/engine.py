@@ -69,19 +69,18 @@ class LLM:
         if block_size < 1 or block_size & (block_size - 1):
             raise ValueError(f"block_size must be a power of 2, got {block_size}")
         blocks_per_seq = -(-self.max_model_len // block_size)
+        specs = [s for s in (speculative if isinstance(speculative, list) else [speculative]) if isinstance(s, dict)]
         if num_kv_blocks is None and self.model.model.embed_tokens.weight.is_cuda:
             from .cuda_graphs import kv_blocks_for_memory
             num_kv_blocks = kv_blocks_for_memory(self.model, block_size, gpu_memory_utilization)
-            if any(isinstance(s, dict) and s.get("method") in ("self", "draft_model")
-                   for s in (speculative if isinstance(speculative, list) else [speculative])):
+            if any(s.get("method") in ("self", "draft_model") for s in specs):
                 num_kv_blocks //= 2     # a model drafter keeps a second cache over the same block ids
         num_kv_blocks = num_kv_blocks or max_num_seqs * blocks_per_seq
         self.blocks = BlockManager(num_kv_blocks, block_size, prefix_caching)
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens or
                                    max(self.max_model_len, 4096))
-        specs = speculative if isinstance(speculative, list) else [speculative] if speculative else []
         # the most drafts a sequence gets per step (policies' ladders move below it)
-        ks = [s.get("num_draft_tokens", DEFAULT_DRAFT_TOKENS) for s in specs if isinstance(s, dict)]
+        ks = [s.get("num_draft_tokens", DEFAULT_DRAFT_TOKENS) for s in specs]
         self.num_draft_tokens = max((k for k in ks if isinstance(k, int)), default=0)   # bad ones: make_drafter says
         if use_cuda_graphs:   # GPU: decode/verify steps replay captured graphs (cuda_graphs.py), all of
             from .cuda_graphs import GraphRunner   # them: Q = 1 + drafts (capture is lazy per Q)

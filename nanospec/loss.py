@@ -196,5 +196,5 @@ def token_logprobs(logits: Tensor, tokens: Tensor, temperature: float = 1.0) -> 
     _check("tokens", tokens, logits.shape[:2])
     if temperature < 0:
         raise ValueError(f"temperature: expected >= 0, got {temperature}")
-    return sampler.token_logprobs(logits, logits.new_full((logits.shape[0],), float(temperature)).float(),
-                                  tokens.long())
+    t = torch.full((logits.shape[0],), float(temperature), device=logits.device)        # [B]
+    return sampler.token_logprobs(logits, t, tokens.long())
