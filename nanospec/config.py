@@ -83,7 +83,7 @@ class SFTConfig:
     lr: float = 2e-3
     error_rate: float = 0.1             # fraction of traces with one injected slip (imperfect SFT)
     out_dir: str = "runs/sft"           # reused when it already holds a model
-    bf16_autocast: bool = True
+    bf16_autocast: bool | None = None   # null: on where the CPU has native bf16 (sft.native_bf16)
 
     def rules(self):
         return [("steps", self.steps >= 0, ">= 0"), *_pos(self, "batch_size", "lr"),

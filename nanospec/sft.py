@@ -5,8 +5,9 @@ A few minutes of supervised training on traces with injected slips (`sft.error_r
 that is confident on most tokens (as a real policy is) but slips now and then, more on long prompts,
 so rewards vary within a group and GRPO has something to improve. Loss = mean cross-entropy over
 completion tokens only (prompt tokens are context, not targets). Batches are buckets of similar
-length (few padded tokens: ~4x the steps/s of random batches on CPU); bf16 autocast is optional
-(~1.4x on AVX512-bf16 CPUs).
+length (few padded tokens: ~4x the steps/s of random batches on CPU); bf16 autocast is optional and
+by default on only where the CPU has native bf16 (`native_bf16`): ~1.4x on AVX512-BF16/AMX, but ~20x
+*slower* where bf16 is emulated (AVX2-only CPUs, e.g. many AMD EPYC cloud cores).
 
 The result is an HF directory (`loader.save_model`: loadable by transformers) in `sft.out_dir`,
 reused by later runs when its `sft_fingerprint.json` matches this config; a mismatching directory
@@ -56,6 +57,12 @@ def init_weights(model: CausalLM, std: float = 0.02) -> CausalLM:
         elif name.endswith("bias"):
             p.zero_()
     return model
+
+
+def native_bf16() -> bool:
+    """Does this CPU do bf16 matmuls natively (AVX512-BF16 or AMX)? Private torch probes, so guarded."""
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
 
 
 def fingerprint(cfg, tokenizer) -> dict:
@@ -112,8 +119,10 @@ def train_sft(cfg, tokenizer, log=print) -> CausalLM:
     t0 = time.perf_counter()
     examples = [encode_example(task, tokenizer, p, rng, sc.error_rate) for p in problems]
     batches = length_buckets(examples, sc.batch_size, rng)
+    bf16 = native_bf16() if sc.bf16_autocast is None else sc.bf16_autocast
     log(f"[sft] {len(examples)} traces tokenized in {time.perf_counter() - t0:.1f}s; {world} rank(s), "
-        f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, {sc.steps} steps")
+        f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, {sc.steps} steps, "
+        f"bf16 autocast {'on' if bf16 else 'off'}")
     params = list(model.parameters())
     opt = torch.optim.AdamW(params, lr=sc.lr, betas=(0.9, 0.98), weight_decay=0.01)
     warmup = max(1, sc.steps // 20)
@@ -127,7 +136,7 @@ def train_sft(cfg, tokenizer, log=print) -> CausalLM:
         loss = torch.zeros(())
         if idx[rank::world]:
             ids, mask = collate(examples, idx[rank::world], tokenizer.pad_token_id, max_len)
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=sc.bf16_autocast):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
                 logits = model.logits(model(ids[:, :-1]))                           # [B, T-1, V] fp32
             nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
             loss = (nll * mask).sum() / n_tok
