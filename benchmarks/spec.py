@@ -6,7 +6,8 @@ same prompts (what the previous GRPO step would have left behind: prior rollouts
 `--reps` timed passes, each a GRPO-like step (drafter `next_step()` in between), variants interleaved
 pass by pass so drift of a shared machine hits them all alike. Distinct seeds per pass, so a timed
 pass is new samples, not a replay. The "toggle" and "toggle+ladder" rows add the engine-level
-policies (per-drafter cost-model toggle, then the draft-length ladder; policies.py). The "draft model"
+policies (cost-model toggle, which for suffix and prior drafts cuts each row's draft where its
+estimated acceptance no longer pays for the verify; then the draft-length ladder; policies.py). The "draft model"
 row needs a draft model directory (`--draft`, default runs/draft, made by `make draft`). Samples
 differ between variants (same distribution, different draws), so `speedup` compares tokens/s;
 `wall_speedup` compares the batch's wall time.
@@ -29,6 +30,7 @@ VARIANTS = [    # (name, speculative config, engine-level policies: None or Poli
     ("AR", None, None),
     ("ngram", {"method": "ngram", "num_draft_tokens": 8}, None),
     ("suffix", SUFFIX, None),
+    ("suffix, toggle", SUFFIX, dict(adaptive_draft_length=False)),
     ("prior", PRIOR, None),
     ("prior+suffix", [PRIOR, SUFFIX], None),
     ("prior+suffix, toggle", [PRIOR, SUFFIX], dict(adaptive_draft_length=False)),

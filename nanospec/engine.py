@@ -217,7 +217,7 @@ class LLM:
         t0 = time.perf_counter()
         proposal = self.drafter.propose(seqs, budgets)
         if self.policy is not None:
-            proposal = self.policy.clip(proposal, budgets)
+            proposal = self.policy.clip(proposal, budgets, seqs)
             self.policy.observe_draft_time(time.perf_counter() - t0, len(seqs))
         for i, k in enumerate(budgets):
             assert len(proposal.tokens[i]) <= k, f"drafter {proposal.sources[i]} proposed past its budget"
@@ -252,7 +252,7 @@ class LLM:
         n, toks, lps = speculative.verify(logits, draft, num_draft, st, u[:, :K], u[:, K], q, lq)
         host = torch.cat([n.unsqueeze(1).double(), toks.double(), lps.double()], 1).tolist()  # one sync
         finished, generated = [], 0
-        for s, row, d, src in zip(seqs, host, drafts, proposal.sources):
+        for i, (s, row, d, src) in enumerate(zip(seqs, host, drafts, proposal.sources)):
             n_acc, kept = int(row[0]), 0
             for t, lp in zip(row[1:2 + n_acc], row[2 + K:3 + K + n_acc]):
                 t = int(t)
@@ -267,7 +267,8 @@ class LLM:
             # a stop on an accepted draft drops the drafts after it: count only those before the stop,
             # so every verify step emits accepted + 1 tokens (mean_accepted_len), here and in the policy
             used = kept - 1 if kept <= n_acc else len(d)
-            self._count(src, used, min(n_acc, used))
+            conf = proposal.confidence[i] if proposal.confidence and s.params.temperature > 0 else None
+            self._count(src, used, min(n_acc, used), conf)
             if not reason:
                 s.num_computed = len(s) - 1
                 s.num_draft_computed = min(s.num_draft_computed, s.num_computed)
@@ -290,7 +291,7 @@ class LLM:
         return None
 
     # ---- stats and weights ----------------------------------------------------------------------
-    def _count(self, source: str, proposed: int, accepted: int) -> None:
+    def _count(self, source: str, proposed: int, accepted: int, confidence=None) -> None:
         if not proposed:
             return
         st = self.stats
@@ -302,7 +303,7 @@ class LLM:
         per["proposed"] += proposed
         per["accepted"] += accepted
         if self.policy is not None:
-            self.policy.observe_acceptance(source, proposed, accepted)
+            self.policy.observe_acceptance(source, proposed, accepted, confidence)
 
     def reset_stats(self) -> None:
         self.stats = defaultdict(int)

@@ -10,7 +10,9 @@ Leviathan et al. 2023, eq. 1: expected tokens per verify step under i.i.d. accep
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
+import operator
 import statistics
 from collections import defaultdict, deque
 from typing import Callable, Hashable, Sequence
@@ -101,6 +103,10 @@ class LatencyModel:
         w1, wB, wBQ, wBC, wBQC = self._w
         return max(w1 + B * (wB + Q * wBQ + C * wBC + Q * C * wBQC), self.min_seconds)
 
+    def token_cost(self, C: float) -> float:
+        """Seconds one more verified token adds to a packed step at context C (d t / d(B*Q))."""
+        return self._w[2] + C * self._w[4]
+
     def observe(self, B: float, C: float, Q: float, seconds: float) -> None:
         self.recent.append(self._sample((B, C, Q, seconds)))
         self._since_fit += 1
@@ -148,6 +154,58 @@ def best_k(latency: LatencyModel, batch_size: float, ctx_len: float, alpha: floa
         if s > best[1]:
             best = (k, s)
     return best
+
+
+def trim_drafts(probs: list[list[float]], base_tokens: float, base_seconds: float, token_cost: float) -> list[int]:
+    """Per row, how many of its drafts to verify so that the step's expected tokens per second is highest.
+
+    probs[i][j]: estimated probability that row i's drafts 0..j are all accepted (non-increasing in j),
+    i.e. the expected tokens draft j adds. The step already yields `base_tokens` (one per row, plus
+    drafts kept elsewhere) in `base_seconds`; each verified draft costs `token_cost` more (packed
+    steps: time is linear in the verified tokens). Maximising E / T over prefixes: take drafts in
+    decreasing probability while p > token_cost * E / T (a ratio's optimum keeps exactly the items
+    whose gain / cost beats the ratio itself; Dinkelbach). At a full CPU batch a draft must be likely
+    (p ~ 0.5: a verified token costs nearly a decoded one); for a lone straggler almost any draft pays.
+    """
+    E, T, keep = base_tokens, base_seconds, [0] * len(probs)
+    for p, i in sorted(((p, i) for i, row in enumerate(probs) for p in row), key=lambda x: -x[0]):
+        if p * T < token_cost * E:
+            break
+        E, T, keep[i] = E + p, T + token_cost, keep[i] + 1
+    return keep
+
+
+class ConfidenceCalibration:
+    """Per source, a drafter's confidence -> the acceptance measured for it (histogram binning).
+
+    Why: a suffix tree's frequencies come from ~16 samples and its most frequent child is the one
+    drafted, so they overstate; on the embedded task (SFT model, T=1) confidence ~1.0 was accepted 93%
+    of the time and 0.5-0.6 only 24%. Each of `bins` equal-width bins keeps counts of (verified,
+    accepted) draft tokens, halved once `max_count` are held so they follow the current weights;
+    estimate = (accepted + m * c) / (verified + m): the raw confidence c until its bin has data.
+    Only tokens that were tested count: those up to and including the first rejection.
+    """
+
+    def __init__(self, bins: int = 10, prior_weight: float = 8.0, max_count: int = 4096):
+        _check(_is_int(bins) and bins >= 1, "bins", "an int >= 1", bins)
+        _check(prior_weight > 0, "prior_weight", "> 0", prior_weight)
+        self.bins, self.m, self.max_count = bins, prior_weight, max_count
+        self._counts: dict[str, np.ndarray] = {}     # source -> [bins, 2]: verified, accepted
+
+    def _bin(self, c: float) -> int:
+        return min(int(c * self.bins), self.bins - 1)
+
+    def __call__(self, source: str, c: float) -> float:
+        counts = self._counts.get(source)
+        n, a = (0.0, 0.0) if counts is None else counts[self._bin(c)]
+        return (a + self.m * c) / (n + self.m)
+
+    def observe(self, source: str, confidence: Sequence[float], accepted: int) -> None:
+        counts = self._counts.setdefault(source, np.zeros((self.bins, 2)))
+        for j, c in enumerate(confidence[:accepted + 1]):
+            counts[self._bin(c)] += (1.0, float(j < accepted))
+        if counts[:, 0].sum() > self.max_count:
+            counts /= 2
 
 
 class SpeculationToggle:
@@ -411,13 +469,19 @@ class SpeculationPolicy:
     being measured; the gap between probes doubles while it stays off (`probe_every` up to
     `probe_every_max` steps). With ragged steps packing their real tokens (model.py) a probe costs
     ~probe_rows * k extra tokens: an always-wrong drafter costs ~2% per engine step over plain AR.
+    Drafts with confidence: a drafter that estimates each draft token's acceptance (the suffix tree's
+    path frequencies, the prior rollout's stored probabilities: `Proposal.confidence`) is not toggled
+    per source; with a toggle, `clip` keeps per row the drafts whose expected tokens pay for their
+    verify cost this step (`trim_drafts`), so one batch verifies 8 likely tokens on one row and none
+    on another.
     The engine reports back draft time, forward time and acceptance, which keep the latency model,
     the toggle and the ladder current.
     """
 
     def __init__(self, *, ladder: DraftLengthLadder | None = None, classes: LengthClasses | None = None,
                  toggle: SpeculationToggle | None = None, default_alpha: float = 0.8, probe_every: int = 16,
-                 probe_every_max: int = 256, probe_rows: int = 4, sources: Sequence[str] = ()):
+                 probe_every_max: int = 256, probe_rows: int = 4, sources: Sequence[str] = (),
+                 confident_sources: Sequence[str] = ()):
         _check(_is_int(probe_every) and 1 <= probe_every <= probe_every_max, "probe_every",
                f"an int in [1, probe_every_max={probe_every_max}]", probe_every)
         _check(_is_int(probe_rows) and probe_rows >= 1, "probe_rows", "an int >= 1", probe_rows)
@@ -425,6 +489,8 @@ class SpeculationPolicy:
         self.default_alpha, self.probe_every, self.probe_every_max = default_alpha, probe_every, probe_every_max
         self.probe_rows = probe_rows
         self.sources = list(sources)   # the drafter's source names (Drafter.sources); more are learned
+        self.confident = set(confident_sources)   # sources whose proposals carry per-token confidence
+        self.calibration = ConfidenceCalibration()
         self.draft_time = None      # EMA seconds of propose() per sequence (drafting is per row)
         self._tally: dict[str, list[float]] = {}    # no ladder: per source recent accepted, rejections
         self._gap: dict[str, list[int]] = {}        # per source: [steps since last probe, probe gap]
@@ -458,6 +524,9 @@ class SpeculationPolicy:
         if self.toggle is not None and any(ks):
             ctx = sum(len(s) for s in seqs) / len(seqs)
             for n in sources:
+                if n in self.confident:       # decided per draft token in clip()
+                    self._pays[n] = self._rung(n, max_k)
+                    continue
                 kn, _ = self.toggle.choose(len(seqs), ctx, min(self._rung(n, max_k), max(ks)),
                                            self.alpha(n), (self.draft_time or 0.0) * len(seqs))
                 gap = self._gap.setdefault(n, [0, self.probe_every])
@@ -474,9 +543,10 @@ class SpeculationPolicy:
             ks = [min(k, cap) for k in ks]
         return ks
 
-    def clip(self, proposal, budgets):
+    def clip(self, proposal, budgets, seqs):
         """Cut row i to min(budget, its source's rung, the toggle's cost-optimal length), or to 0 when
-        its source is toggled off (probe steps keep the first `probe_rows` rows of that source)."""
+        its source is toggled off (probe steps keep the first `probe_rows` rows of that source); with a
+        toggle, rows with confidence (sampled rows only) are then trimmed by `trim_drafts`."""
         probed = defaultdict(int)
         out = []
         for t, b, src in zip(proposal.tokens, budgets, proposal.sources):
@@ -488,9 +558,32 @@ class SpeculationPolicy:
             else:
                 k = min(k, pays)
             out.append(t[:k])
+        if self.toggle is not None and proposal.confidence is not None:
+            out = self._trim(out, proposal, seqs)
         proposal.tokens = out
         self._on_steps += any(out)
         return proposal
+
+    def _trim(self, tokens, proposal, seqs):
+        """Per-token cost/benefit for the rows whose drafter estimated each token's acceptance; the
+        other rows' drafts stay and count at their source's measured rate alpha^j."""
+        lat, B = self.toggle.latency, len(seqs)
+        ctx = sum(len(s) for s in seqs) / B
+        E, fixed, cand, rows = float(B), 0, [], []
+        for i, (t, c, s) in enumerate(zip(tokens, proposal.confidence, seqs)):
+            if t and c is not None and s.params.temperature > 0:   # greedy acceptance is argmax, not p
+                rows.append(i)
+                src = proposal.sources[i]
+                cand.append(list(itertools.accumulate((self.calibration(src, x) for x in c[:len(t)]), operator.mul)))
+            elif t:
+                a = self.alpha(proposal.sources[i])
+                E += sum(a ** j for j in range(1, len(t) + 1))
+                fixed += len(t)
+        T = (self.draft_time or 0.0) * B + lat.predict(B, ctx, 1 + fixed / B)
+        keep = trim_drafts(cand, E, T, lat.token_cost(ctx))
+        for i, k in zip(rows, keep):
+            tokens[i] = tokens[i][:k]
+        return tokens
 
     def observe_draft_time(self, seconds: float, num_seqs: int) -> None:
         """One propose() call over `num_seqs` sequences: kept per sequence, so the cost measured on a
@@ -504,7 +597,11 @@ class SpeculationPolicy:
             # packed ragged steps cost ~ the real tokens: Q = mean tokens per sequence
             self.toggle.latency.observe(len(seqs), ctx, sum(map(len, tokens)) / len(tokens), seconds)
 
-    def observe_acceptance(self, source: str, proposed: int, accepted: int) -> None:
+    def observe_acceptance(self, source: str, proposed: int, accepted: int,
+                           confidence: Sequence[float] | None = None) -> None:
+        """One verify step of one row; `confidence` of its drafts (sampled rows) trains the calibration."""
+        if confidence is not None:
+            self.calibration.observe(source, confidence[:proposed], accepted)
         if self.ladder is not None:
             self.ladder.update(source, proposed, accepted)
             return
@@ -551,5 +648,7 @@ def build_policy(cfg, llm) -> SpeculationPolicy | None:
     elif cfg.length_classes:
         classes = LengthClasses(cfg.length_classes, cfg.length_class_budgets)
     toggle = SpeculationToggle(latency, cfg.toggle_min_speedup) if cfg.toggle else None
+    from .drafters.chain import members
     return SpeculationPolicy(ladder=ladder, classes=classes, toggle=toggle,
-                             sources=llm.drafter.sources if llm.drafter is not None else ())
+                             sources=llm.drafter.sources if llm.drafter is not None else (),
+                             confident_sources=[n for d in members(llm.drafter) if d.confident for n in d.sources])

@@ -103,7 +103,8 @@ def test_suffix_min_prob_and_match_length_bound():
         d.observe(mkseq(prompt, [1, 2, 3, 4, 5], key="q"))
         d.observe(mkseq(prompt, [1, 2, 3, 7, 8], key="q"))
         # after (.., 3): children 4 and 7 each 1/2 -> path prob 0.5
-        assert d.propose([mkseq(prompt, [1, 2], key="q")], [3]).tokens == [want]
+        p = d.propose([mkseq(prompt, [1, 2], key="q")], [3])
+        assert p.tokens == [want] and p.confidence == [[1.0, 0.5, 1.0][:len(want)]]   # count / parent's
     # a diverged sample matches only the 1-token suffix (3): draft <= max(1, alpha * 1) = 1 token
     assert d.propose([mkseq(prompt, [9, 3], key="q")], [4]).tokens == [[4]]
     d2 = SuffixDrafter(depth=8, alpha=2.0)
@@ -267,6 +268,7 @@ def test_chain_lenient_merge_and_hooks():
     p = chain.propose([s1, s2], [2, 2])
     assert p.tokens == [[2, 3], [2, 3]] and p.sources == ["prior", "suffix"] and p.q is None
     torch.testing.assert_close(p.lenient_q, torch.tensor([[math.exp(-1) / 4] * 2, [1.0, 1.0]]))
+    assert p.confidence == [[math.exp(-1)] * 2, [1.0, 1.0]]     # prior: p_old; suffix: frequencies
     chain.free(s1)
     assert s1.seq_id not in prior._state and s1.seq_id not in suffix._match
     chain.next_step()

@@ -3,7 +3,7 @@ import pytest
 
 from nanospec.policies import (DraftLengthLadder, LatencyModel, LengthClasses, LengthPredictor,
                                SpeculationToggle, assign_to_ranks, best_k, expected_accepted,
-                               imbalance, rank_work, round_robin)
+                               imbalance, rank_work, round_robin, trim_drafts)
 
 TRUE = np.array([1e-3, 2e-5, 1e-5, 3e-8, 5e-9])  # const, B, B*Q, B*C, B*Q*C
 
@@ -216,7 +216,7 @@ def test_policy_toggles_each_drafter_on_its_own_acceptance_and_probes_with_backo
     for step in range(16):
         ks = pol.budgets(seqs, 4)
         assert ks == [4] * 8
-        out = pol.clip(Proposal([[1, 2, 3, 4]] * 8, sources=list(sources)), ks).tokens
+        out = pol.clip(Proposal([[1, 2, 3, 4]] * 8, sources=list(sources)), ks, seqs).tokens
         assert all(len(t) == 4 for t in out[0::2])                    # good drafter untouched
         kept.append(sum(len(t) > 0 for t in out[1::2]))
     assert kept == [0, 1, 0, 0, 0, 1] + [0] * 7 + [1, 0, 0]      # probes after gaps 2, 4, 8, 8 (max)
@@ -240,5 +240,64 @@ def test_ladder_rungs_never_exceed_num_draft_tokens():
     pol = SpeculationPolicy(ladder=DraftLengthLadder((3, 5, 7, 9, 11), start=4), sources=["suffix"])
     seqs = [type("S", (), {"num_completion_tokens": 5, "__len__": lambda self: 20})() for _ in range(4)]
     assert pol.budgets(seqs, 6) == [6] * 4 and pol.budgets(seqs, 12) == [11] * 4
-    out = pol.clip(Proposal([list(range(9))] * 4, sources=["suffix"] * 4), pol.budgets(seqs, 6)).tokens
+    out = pol.clip(Proposal([list(range(9))] * 4, sources=["suffix"] * 4), pol.budgets(seqs, 6), seqs).tokens
     assert [len(t) for t in out] == [6] * 4
+
+
+def test_trim_drafts_maximises_expected_tokens_per_second():
+    """Against brute force over every choice of per-row prefix: the greedy cut is the E/T optimum."""
+    import itertools
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        B = int(rng.integers(1, 4))
+        probs = [list(np.cumprod(rng.uniform(0.2, 1.0, int(rng.integers(0, 4))))) for _ in range(B)]
+        E0, T0, c = float(B), float(rng.uniform(0.5, 2)), float(rng.uniform(0.01, 0.6))
+        def rate(ks):
+            return (E0 + sum(sum(p[:k]) for p, k in zip(probs, ks))) / (T0 + c * sum(ks))
+        best = max(rate(ks) for ks in itertools.product(*[range(len(p) + 1) for p in probs]))
+        assert rate(trim_drafts(probs, E0, T0, c)) == pytest.approx(best, rel=1e-12)
+    assert trim_drafts([[0.9, 0.8, 0.3], [0.4]], 2.0, 1.0, 0.2) == [2, 0]   # 0.4 * 1.4 < 0.2 * 3.7
+    assert trim_drafts([[0.9, 0.8, 0.3], [0.4]], 2.0, 1.0, 0.0) == [3, 1]   # free verify: keep all
+
+
+def test_policy_trims_confident_drafts_per_token_and_never_toggles_them_off():
+    """With a toggle, rows carrying confidence keep only the drafts that pay this step: a full batch
+    of a compute-bound machine keeps a sure run and drops a doubtful one; a lone straggler keeps
+    both. Greedy rows are not trimmed (their acceptance is the argmax, not p). A confident source is
+    never switched off by its measured rate: its rows decide token by token."""
+    from types import SimpleNamespace
+    from nanospec.drafters.base import Proposal
+    from nanospec.policies import SpeculationPolicy
+    lat = LatencyModel(coef=[1, 0, 0.02, 0, 0])    # step 1 + 0.02 * tokens: a token is 2% of a decode at B=1
+    pol = SpeculationPolicy(toggle=SpeculationToggle(lat, 1.05), confident_sources=["suffix"])
+    for _ in range(8):
+        pol.observe_acceptance("suffix", 4, 0)        # measured rate 0: would be toggled off
+    sure, doubtful = [0.99] * 4, [0.9, 0.6, 0.6, 0.6]        # cumulative: 0.96 vs 0.9, 0.54, 0.32, 0.19
+    for B, want in [(64, [4, 1]), (2, [4, 4])]:
+        seqs = [type("S", (), {"num_completion_tokens": 5, "params": SimpleNamespace(temperature=1.0),
+                               "__len__": lambda self: 20})() for _ in range(B)]
+        ks = pol.budgets(seqs, 4)
+        assert ks == [4] * B
+        conf = [sure, doubtful] + [None] * (B - 2)
+        prop = Proposal([[1, 2, 3, 4]] * 2 + [[]] * (B - 2), sources=["suffix"] * 2 + [""] * (B - 2), confidence=conf)
+        assert [len(t) for t in pol.clip(prop, ks, seqs).tokens[:2]] == want
+    seqs[1].params = SimpleNamespace(temperature=0.0)
+    prop = Proposal([[1, 2, 3, 4]] * 2, sources=["suffix"] * 2, confidence=[sure, [0.01] * 4])
+    assert [len(t) for t in pol.clip(prop, pol.budgets(seqs, 4), seqs).tokens] == [4, 4]
+
+
+def test_confidence_calibration_learns_measured_acceptance_per_bin():
+    """Raw confidence until a bin has data; then the measured acceptance of the tokens that were
+    tested (up to the first rejection), per source; counts halve past max_count."""
+    from nanospec.policies import ConfidenceCalibration
+    cal = ConfidenceCalibration(bins=10, prior_weight=8.0, max_count=10_000)
+    assert cal("suffix", 0.55) == 0.55
+    rng = np.random.default_rng(0)
+    for _ in range(2000):          # a confident token (0.99) then a doubtful one (0.55) per row
+        first, second = rng.random() < 0.9, rng.random() < 0.3
+        cal.observe("suffix", [0.99, 0.55], int(first) + int(first and second))
+    assert cal("suffix", 0.98) == pytest.approx(0.9, abs=0.03)
+    assert cal("suffix", 0.52) == pytest.approx(0.3, abs=0.05)     # tested only after an accepted first
+    assert cal("suffix", 0.25) == 0.25 and cal("prior", 0.55) == 0.55   # no data there: raw
+    cal.observe("prior", [0.5, 0.5], 2)
+    assert cal("prior", 0.5) == pytest.approx((2 + 8 * 0.5) / (2 + 8))

@@ -28,6 +28,9 @@ class Proposal:
     q: torch.Tensor | None = None           # [B, k_max, V] draft probs (stochastic drafters only)
     sources: list[str] | None = None        # per sequence, the name of the drafter that proposed
     lenient_q: torch.Tensor | None = None   # [B, k_max] LOSSY SPEC-RL rule only: q(x)=p_old(x)/lenience
+    # per sequence, per draft token: the drafter's estimate of P(accepted | the drafts before it were),
+    # or None (no estimate); policies.trim_drafts keeps only the drafts that pay for their verify cost
+    confidence: list[list[float] | None] | None = None
 
     def __post_init__(self):
         if self.sources is None:
@@ -48,6 +51,7 @@ class Drafter:
     stochastic: bool = False   # True: propose() fills Proposal.q
     needs_kv: bool = False     # True: the engine runs prefill(seqs) for it (own KV cache)
     lossy: bool = False        # True only for explicitly lossy modes (e.g. prior-rollout lenience)
+    confident: bool = False    # True: propose() fills Proposal.confidence
 
     @property
     def sources(self) -> tuple[str, ...]:

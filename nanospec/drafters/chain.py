@@ -34,6 +34,7 @@ class ChainDrafter(Drafter):
         self.stochastic = any(d.stochastic for d in self.drafters)
         self.needs_kv = any(d.needs_kv for d in self.drafters)
         self.lossy = any(d.lossy for d in self.drafters)
+        self.confident = any(d.confident for d in self.drafters)
 
     @property
     def sources(self) -> tuple[str, ...]:
@@ -81,7 +82,11 @@ class ChainDrafter(Drafter):
                 if o is not None and o[0].lenient_q is not None:
                     n = len(tokens[i])
                     lenient_q[i, :n] = o[0].lenient_q[o[1], :n].to(lenient_q)
-        return Proposal(tokens=tokens, q=q, sources=sources, lenient_q=lenient_q)
+        confidence = None
+        if any(p.confidence is not None for p in props):
+            rows = [None if o is None or o[0].confidence is None else o[0].confidence[o[1]] for o in owner]
+            confidence = [None if c is None else c[:len(t)] for c, t in zip(rows, tokens)]
+        return Proposal(tokens=tokens, q=q, sources=sources, lenient_q=lenient_q, confidence=confidence)
 
     def prefill(self, seqs: list[Sequence], *args, **kwargs) -> None:
         for d in self.drafters:

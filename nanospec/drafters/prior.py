@@ -39,6 +39,7 @@ class _Entry:
 class PriorRolloutDrafter(Drafter):
     name = "prior"
     sources = ("prior", "bubble")      # bubble drafts (rollout.py) keep their own name and stats
+    confident = True                   # from the cached response's logprobs, where it has them
 
     def __init__(self, max_per_prompt: int = 16, lenience: float = 1.0):
         if max_per_prompt < 1:
@@ -104,20 +105,22 @@ class PriorRolloutDrafter(Drafter):
 
     def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> Proposal:
         check_budget(seqs, num_tokens)
-        tokens, sources, lenient = [], [], []
+        tokens, sources, confidence, lenient = [], [], [], []
         for seq, k in zip(seqs, num_tokens):
             n = seq.num_completion_tokens
             e = self._pick(seq, n) if k > 0 else None
             tokens.append(e.tokens[n:n + k] if e else [])
             sources.append(e.source if e else "")
-            lenient.append([math.exp(lp) / self.lenience for lp in e.logprobs[n:n + k]]
-                           if e and e.logprobs is not None else [])
+            # p_old(x) estimates p_new(x), a point-mass draft's acceptance probability when sampling
+            p_old = [math.exp(lp) for lp in e.logprobs[n:n + k]] if e and e.logprobs is not None else None
+            confidence.append(p_old)
+            lenient.append([p / self.lenience for p in p_old] if p_old else [])
         lenient_q = None
         if self.lossy:
             lenient_q = torch.ones(len(seqs), max((len(t) for t in tokens), default=0))   # [B, k_max]
             for i, row in enumerate(lenient):
                 lenient_q[i, :len(row)] = torch.tensor(row)
-        return Proposal(tokens=tokens, sources=sources, lenient_q=lenient_q)
+        return Proposal(tokens=tokens, sources=sources, lenient_q=lenient_q, confidence=confidence)
 
     def free(self, seq: Sequence) -> None:
         self._state.pop(seq.seq_id, None)

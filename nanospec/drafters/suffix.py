@@ -15,6 +15,9 @@ most frequent child while the path's empirical probability prod(count(child) / c
   than `window` steps; `max_nodes` caps each trie (oldest responses go first; ~150 B per node).
 * Suffix links (node for s -> node for s[1:]) make matching incremental, Aho-Corasick style: each new
   context token costs O(1) amortised; a trie change only forces an O(D) rescan of the context tail.
+* Confidence: each draft token's count / its parent's count, the empirical p of that continuation,
+  goes out with the draft (`Proposal.confidence`); the policy calibrates it and verifies only the
+  drafts that pay (policies.trim_drafts), so min_prob is just a floor.
 * A response is stored as prompt[-(D-1):] + response so paths that cross from the prompt into the
   answer (the start of a response) exist; `use_global` adds one trie over all prompts' responses,
   used when the prompt's own trie matches less.
@@ -24,7 +27,7 @@ from __future__ import annotations
 from collections import deque
 
 from ..sequence import Sequence
-from .base import Drafter
+from .base import Drafter, Proposal, check_budget
 
 
 class _Node:
@@ -83,11 +86,12 @@ class _Trie:
             node = node.link
         return node.children.get(t, node)
 
-    def draft(self, node: _Node, k: int, alpha: float, min_prob: float) -> list[int]:
+    def draft(self, node: _Node, k: int, alpha: float, min_prob: float) -> tuple[list[int], list[float]]:
+        """-> (draft tokens, each one's frequency among the continuations of the path before it)."""
         while node.depth > max(self.depth - k, self.depth // 2):   # leave room below for k tokens
             node = node.link
         while node is not self.root:       # no continuation here: retry with a shorter match
-            out, prob, cur = [], 1.0, node
+            out, conf, prob, cur = [], [], 1.0, node
             cap = min(k, max(1, int(node.depth * alpha)))
             while len(out) < cap and cur.children:
                 t, child = max(cur.children.items(), key=lambda kv: kv[1].count)
@@ -95,15 +99,17 @@ class _Trie:
                 if prob < min_prob:
                     break
                 out.append(t)
+                conf.append(child.count / cur.count)
                 cur = child
             if out:
-                return out
+                return out, conf
             node = node.link
-        return []
+        return [], []
 
 
 class SuffixDrafter(Drafter):
     name = "suffix"
+    confident = True      # a draft token's confidence: its count / its parent's (the empirical p)
 
     def __init__(self, depth: int = 12, window: int = 2, min_prob: float = 0.1, alpha: float = 1.0,
                  max_nodes: int = 100_000, use_global: bool = False, global_max_nodes: int = 500_000):
@@ -169,14 +175,21 @@ class SuffixDrafter(Drafter):
         self._match[seq.seq_id][slot] = (trie, trie.version, L, node)
         return node
 
-    def draft_one(self, seq: Sequence, k: int) -> list[int]:
+    def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> Proposal:
+        check_budget(seqs, num_tokens)
+        drafts = [self._draft(s, k) if k > 0 else ([], []) for s, k in zip(seqs, num_tokens)]
+        return Proposal(tokens=[t for t, _ in drafts], sources=[self.name if t else "" for t, _ in drafts],
+                        confidence=[c for _, c in drafts])
+
+    def _draft(self, seq: Sequence, k: int) -> tuple[list[int], list[float]]:
         tree = self._tree(seq)
         node = self._match_node(seq, "prompt", tree)
         draft = tree.draft(node, k, self.alpha, self.min_prob)
         if self._global is not None:
             g = self._match_node(seq, "global", self._global)
-            if not draft or g.depth > node.depth:
-                draft = self._global.draft(g, k, self.alpha, self.min_prob) or draft
+            if not draft[0] or g.depth > node.depth:
+                other = self._global.draft(g, k, self.alpha, self.min_prob)
+                draft = other if other[0] else draft
         return draft
 
     def free(self, seq: Sequence) -> None:
