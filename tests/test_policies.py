@@ -284,20 +284,30 @@ def test_policy_trims_confident_drafts_per_token_and_never_toggles_them_off():
     seqs[1].params = SimpleNamespace(temperature=0.0)
     prop = Proposal([[1, 2, 3, 4]] * 2, sources=["suffix"] * 2, confidence=[sure, [0.01] * 4])
     assert [len(t) for t in pol.clip(prop, pol.budgets(seqs, 4), seqs).tokens] == [4, 4]
+    # a drafter sure of itself and always wrong: calibration learns it, a full batch drafts nothing
+    for _ in range(100):
+        pol.observe_acceptance("suffix", 4, 0, confidence=sure)
+    seqs = [type("S", (), {"num_completion_tokens": 5, "params": SimpleNamespace(temperature=1.0),
+                           "__len__": lambda self: 20})() for _ in range(64)]
+    prop = Proposal([[1, 2, 3, 4]] * 64, sources=["suffix"] * 64, confidence=[sure] * 64)
+    assert not any(pol.clip(prop, pol.budgets(seqs, 4), seqs).tokens)
 
 
-def test_confidence_calibration_learns_measured_acceptance_per_bin():
-    """Raw confidence until a bin has data; then the measured acceptance of the tokens that were
-    tested (up to the first rejection), per source; counts halve past max_count."""
+def test_confidence_calibration_learns_measured_acceptance_per_position_and_bin():
+    """Raw confidence until a cell has data; then the measured acceptance of the tokens that were
+    tested (up to the first rejection), per source, draft position and confidence bin."""
     from nanospec.policies import ConfidenceCalibration
-    cal = ConfidenceCalibration(bins=10, prior_weight=8.0, max_count=10_000)
-    assert cal("suffix", 0.55) == 0.55
+    cal = ConfidenceCalibration(bins=10, positions=4, prior_weight=8.0)
+    assert cal("suffix", 0, 0.55) == 0.55
     rng = np.random.default_rng(0)
-    for _ in range(2000):          # a confident token (0.99) then a doubtful one (0.55) per row
-        first, second = rng.random() < 0.9, rng.random() < 0.3
-        cal.observe("suffix", [0.99, 0.55], int(first) + int(first and second))
-    assert cal("suffix", 0.98) == pytest.approx(0.9, abs=0.03)
-    assert cal("suffix", 0.52) == pytest.approx(0.3, abs=0.05)     # tested only after an accepted first
-    assert cal("suffix", 0.25) == 0.25 and cal("prior", 0.55) == 0.55   # no data there: raw
+    for _ in range(2000):   # first draft 0.99 accepted 90%, second 0.99 accepted 30%, third 0.55 always
+        a = 1 if rng.random() < 0.9 else 0
+        a += a == 1 and rng.random() < 0.3
+        a += a == 2
+        cal.observe("suffix", [0.99, 0.99, 0.55], a)
+    assert cal("suffix", 0, 0.98) == pytest.approx(0.9, abs=0.03)
+    assert cal("suffix", 1, 0.98) == pytest.approx(0.3, abs=0.05)     # same bin, other position
+    assert cal("suffix", 2, 0.52) == pytest.approx(1.0, abs=0.05)     # tested only after 2 accepted
+    assert cal("suffix", 7, 0.98) == 0.98 and cal("prior", 0, 0.55) == 0.55   # no data there: raw
     cal.observe("prior", [0.5, 0.5], 2)
-    assert cal("prior", 0.5) == pytest.approx((2 + 8 * 0.5) / (2 + 8))
+    assert cal("prior", 1, 0.5) == pytest.approx((1 + 8 * 0.5) / (1 + 8))
