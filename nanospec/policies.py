@@ -485,7 +485,9 @@ class SpeculationPolicy:
     path frequencies, the prior rollout's stored probabilities: `Proposal.confidence`) is not toggled
     per source; with a toggle, `clip` keeps per row the drafts whose expected tokens pay for their
     verify cost this step (`trim_drafts`), so one batch verifies 8 likely tokens on one row and none
-    on another.
+    on another. Such a source needs no probes: its rates are calibrated against measured acceptance,
+    and a source trimmed away at full batch still drafts in the small tail batches, where drafts are
+    cheap, so its calibration keeps learning.
     The engine reports back draft time, forward time and acceptance, which keep the latency model,
     the toggle and the ladder current.
     """
