@@ -260,11 +260,12 @@ def test_trim_drafts_maximises_expected_tokens_per_second():
     assert trim_drafts([[0.9, 0.8, 0.3], [0.4]], 2.0, 1.0, 0.0) == [3, 1]   # free verify: keep all
 
 
-def test_policy_trims_confident_drafts_per_token_and_never_toggles_them_off():
+def test_policy_trims_confident_drafts_per_token():
     """With a toggle, rows carrying confidence keep only the drafts that pay this step: a full batch
     of a compute-bound machine keeps a sure run and drops a doubtful one; a lone straggler keeps
     both. Greedy rows are not trimmed (their acceptance is the argmax, not p). A confident source is
-    never switched off by its measured rate: its rows decide token by token."""
+    not switched off as a whole by its measured rate (budgets keep its rung): its rows decide token
+    by token, and a sure-but-always-wrong one is trimmed away once the calibration has learned it."""
     from types import SimpleNamespace
     from nanospec.drafters.base import Proposal
     from nanospec.policies import SpeculationPolicy
