@@ -350,7 +350,8 @@ def _preload_prior(dist):
 
 SLOW = pytest.mark.slow
 CASES = [pytest.param(c, "temp1", id=f"{c}-temp1") for c in
-         ("bad", "oracle", "stochastic", "chain_stochastic_prior", "suffix", "ngram", "prior_suffix")]
+         ("bad", "oracle", "stochastic", "chain_stochastic_prior", "suffix", "ngram", "prior_suffix",
+          "prior_suffix_policies")]
 CASES += [pytest.param("stochastic", "filtered", id="stochastic-filtered")]
 CASES += [pytest.param(c, "filtered", id=f"{c}-filtered", marks=SLOW) for c in ("bad", "oracle", "ngram")]
 
@@ -389,9 +390,16 @@ def _exact_case(model, exact, case, key, **llm_kw):
         setup = _preload_prior(dist)
     elif case == "suffix":
         spec = {"method": "suffix", "num_draft_tokens": K, "min_prob": 0.0}
-    elif case == "prior_suffix":
+    elif case.startswith("prior_suffix"):
         spec = [{"method": "prior", "num_draft_tokens": K}, {"method": "suffix", "num_draft_tokens": K}]
+    if case == "prior_suffix_policies":     # draft lengths from past acceptance: toggle trimming + ladder
+        def setup(llm):
+            from nanospec.config import PoliciesConfig
+            from nanospec.policies import build_policy
+            llm.policy = build_policy(PoliciesConfig(length_classes=[], draft_ladder=[1, 2, 3]), llm)
     llm, outs = sample_with(model, spec, params, drafter, setup, **llm_kw)
+    if case == "prior_suffix_policies":     # the per-token trimming ran (it cut ~half the drafts here)
+        assert "suffix" in llm.policy.calibration._counts
     check_exact(llm, outs, dist, f"{case}/{key}")
     check_logprobs(model, outs, params)
     assert any(any(o.from_verify) for o in outs)
