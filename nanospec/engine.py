@@ -267,8 +267,7 @@ class LLM:
             # a stop on an accepted draft drops the drafts after it: count only those before the stop,
             # so every verify step emits accepted + 1 tokens (mean_accepted_len), here and in the policy
             used = kept - 1 if kept <= n_acc else len(d)
-            conf = proposal.confidence[i] if proposal.confidence and s.params.temperature > 0 else None
-            self._count(src, used, min(n_acc, used), conf)
+            self._count(src, used, min(n_acc, used), proposal.confidence[i] if proposal.confidence else None)
             if not reason:
                 s.num_computed = len(s) - 1
                 s.num_draft_computed = min(s.num_draft_computed, s.num_computed)

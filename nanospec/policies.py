@@ -572,6 +572,9 @@ class SpeculationPolicy:
             else:
                 k = min(k, pays)
             out.append(t[:k])
+        if proposal.confidence is not None:   # greedy rows: acceptance is the argmax, not p; no rate
+            proposal.confidence = [c if s.params.temperature > 0 else None
+                                   for c, s in zip(proposal.confidence, seqs)]
         if self.toggle is not None and proposal.confidence is not None:
             out = self._trim(out, proposal, seqs)
         proposal.tokens = out
@@ -584,15 +587,14 @@ class SpeculationPolicy:
         lat, B = self.toggle.latency, len(seqs)
         ctx = sum(len(s) for s in seqs) / B
         E, fixed, cand, rows = float(B), 0, [], []
-        for i, (t, c, s) in enumerate(zip(tokens, proposal.confidence, seqs)):
-            if t and c is not None and s.params.temperature > 0:   # greedy acceptance is argmax, not p
+        for i, (t, c) in enumerate(zip(tokens, proposal.confidence)):
+            if t and c is not None:
                 rows.append(i)
                 src = proposal.sources[i]
                 cond = [self.calibration(src, j, x) for j, x in enumerate(c[:len(t)])]
                 cand.append(list(itertools.accumulate(cond, operator.mul)))
             elif t:
-                a = self.alpha(proposal.sources[i])
-                E += sum(a ** j for j in range(1, len(t) + 1))
+                E += expected_accepted(self.alpha(proposal.sources[i]), len(t))
                 fixed += len(t)
         T = (self.draft_time or 0.0) * B + lat.predict(B, ctx, 1 + fixed / B)
         keep = trim_drafts(cand, E, T, lat.token_cost(ctx))
