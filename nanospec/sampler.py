@@ -65,7 +65,11 @@ def probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
 
 def sample(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF sampling. p: [B, V] (need not be normalised), u: [B] in (0, 1] -> tokens [B]."""
-    cdf = p.cumsum(-1)
+    # A parallel scan (CUDA's cumsum) is not guaranteed monotone in floating point, so a token with
+    # p = 0 (e.g. the rejected draft in a residual) could own a sliver of the CDF. Zeroing those
+    # positions and taking the running max gives them an empty interval on every device; on CPU
+    # (a serial, monotone scan) the positive positions are unchanged bit for bit.
+    cdf = p.cumsum(-1).masked_fill_(p <= 0, 0).cummax(-1).values
     idx = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1)).squeeze(-1)
     return idx.clamp_(max=p.shape[-1] - 1)
 

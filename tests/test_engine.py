@@ -440,6 +440,16 @@ def test_sampler_sample_inverse_cdf_and_batch_rows():
     torch.testing.assert_close(counts, torch.tensor([0.2, 0, 0.8, 0], dtype=torch.double), atol=0.015, rtol=0)
 
 
+def test_sampler_sample_never_picks_zero_mass_with_non_monotone_cumsum(monkeypatch):
+    """A parallel scan (CUDA) may round a zero-mass position's prefix sum above its predecessor's;
+    simulate that on CPU: the zero-mass token must still get an empty interval of the CDF."""
+    p = torch.tensor([[0.5, 0.0, 0.5]])
+    real = torch.Tensor.cumsum
+    monkeypatch.setattr(torch.Tensor, "cumsum", lambda x, dim: real(x, dim) + torch.tensor([0.0, 1e-3, 0.0]))
+    assert sampler.sample(p, torch.tensor([0.5005])).tolist() == [2]
+    assert sampler.sample(p, torch.tensor([0.4995])).tolist() == [0]
+
+
 def test_seeded_requests_reproducible_and_logprobs_match_full_forward(models):
     model = models["qwen3"]
     prompts = ragged_prompts(6, seed=9, lo=2, hi=9)
