@@ -4,7 +4,8 @@
     outs = llm.generate(prompts, SamplingParams(temperature=1.0, max_tokens=128, n=8))
 
 One engine step = one target forward over the scheduled batch:
-    prefill : each sequence feeds its uncomputed prompt tokens; fresh ones sample their first token
+    prefill : each sequence feeds its uncomputed prompt tokens; fresh ones also feed drafts of their
+              opening and verify them (speculative prefill), then sample
     decode  : each sequence feeds [last token] + its drafts (k_i >= 0, from the drafter), then
               speculative.verify keeps the accepted prefix and samples one more token
 Rejected drafts are rolled back by shortening: num_computed = len - 1 and surplus blocks are freed.
@@ -170,7 +171,17 @@ class LLM:
     def _prefill(self, seqs: list[Sequence]) -> list[Sequence]:
         starts = [s.num_computed for s in seqs]
         ends = [Scheduler.prefill_end(s) for s in seqs]
-        tokens = [s.token_ids[a:b] for s, a, b in zip(seqs, starts, ends)]
+        fresh = [i for i, s in enumerate(seqs) if len(s) == s.num_prompt_tokens]   # they sample now
+        # Speculative prefill: a fresh prompt's first drafts (the prior rollout's opening, the suffix
+        # tree's prompt -> answer paths) ride in its prefill and are verified by the same forward, so
+        # the first decode step is not spent on one token. Drafters with their own KV (self, draft
+        # model) have not seen the prompt yet: they draft from the first decode step on.
+        drafts = {}
+        proposal = Proposal([[] for _ in fresh])
+        if fresh and self.drafter is not None and not self.drafter.needs_kv:
+            proposal = self._propose([seqs[i] for i in fresh])
+            drafts = dict(zip(fresh, proposal.tokens))
+        tokens = [s.token_ids[a:b] + drafts.get(i, []) for i, (s, a, b) in enumerate(zip(seqs, starts, ends))]
         hidden = self.runner.forward(seqs, tokens, starts)
         self.stats["target_forwards"] += 1
         self.stats["prefill_tokens"] += sum(b - a for a, b in zip(starts, ends))
@@ -178,12 +189,14 @@ class LLM:
             self.drafter.prefill(seqs, tokens, starts)
         for s, b in zip(seqs, ends):
             s.num_computed = b
-        fresh = [i for i, s in enumerate(seqs) if len(s) == s.num_prompt_tokens]
         if not fresh:
             return []
-        last = torch.tensor([len(tokens[i]) - 1 for i in fresh], device=self.device)
-        logits = self.model.logits(hidden[fresh, last].unsqueeze(1))             # [F, 1, V]
-        return self._verify_and_append([seqs[i] for i in fresh], logits, Proposal([[] for _ in fresh]))
+        # logits at the last prompt token and at each draft: [F, K+1, V] (short rows repeat their last)
+        K = max(map(len, proposal.tokens))
+        pos = torch.tensor([[min(ends[i] - starts[i] - 1 + j, len(tokens[i]) - 1) for j in range(K + 1)]
+                            for i in fresh], device=self.device)
+        logits = self.model.logits(hidden[torch.tensor(fresh, device=self.device).unsqueeze(1), pos])
+        return self._verify_and_append([seqs[i] for i in fresh], logits, proposal)
 
     def _decode(self, seqs: list[Sequence]) -> list[Sequence]:
         proposal = self._propose(seqs)

@@ -179,6 +179,25 @@ def test_greedy_speculation_up_to_max_model_len(greedy_model):
     assert llm.stats["accepted_tokens"] > 20
 
 
+def test_speculative_prefill_verifies_the_opening_in_the_prefill_forward(greedy_model):
+    """A fresh prompt's drafts ride in its prefill: with the greedy answers cached, the prefill step
+    alone emits num_draft_tokens + 1 tokens per prompt, the ones AR emits, logprobs included."""
+    prompts = repetitive_prompts(4, seed=3)
+    params = SamplingParams(temperature=0.0, max_tokens=20)
+    ar = LLM(greedy_model, block_size=4, max_model_len=64).generate(prompts, params, use_tqdm=False)
+    llm = LLM(greedy_model, block_size=4, max_model_len=64, speculative={"method": "prior", "num_draft_tokens": 5})
+    for p, o in zip(prompts, ar):
+        llm.drafter.add(tuple(p), o.token_ids)
+    seqs = [s for i, p in enumerate(prompts) for s in llm.add_request(p, params, i)]
+    assert llm.step() == [] and llm.stats["target_forwards"] == 1       # the prefill
+    assert [s.completion_token_ids for s in seqs] == [o.token_ids[:6] for o in ar]
+    while llm.scheduler.has_work():
+        llm.step()
+    for s, o in zip(seqs, ar):
+        assert s.completion_token_ids == o.token_ids
+        np.testing.assert_allclose(s.logprobs, o.logprobs, atol=ATOL)
+
+
 def test_greedy_rows_exact_next_to_sampled_rows_and_stochastic_drafts(greedy_model):
     """Greedy rows in one verify batch with sampled rows, a stochastic drafter and history drafts."""
     model = greedy_model
