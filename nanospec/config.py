@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-DRAFT_METHODS = ("ngram", "suffix", "prior", "self", "draft_model")
+from .drafters.chain import METHODS as DRAFT_METHODS
 
 
 @dataclass

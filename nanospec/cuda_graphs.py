@@ -152,13 +152,7 @@ class GraphRunner(Runner):
     def host_inputs(self, seqs: list[Sequence], tokens: list[list[int]], starts: list[int], b: int,
                     Q: int) -> torch.Tensor:
         """[b, 3Q + nb] int64 on the host: ids | positions | slots | block table; rows >= B are padding."""
-        bs, null, rows = self.block_size, self.null_block, []
-        for s, t, st in zip(seqs, tokens, starts):
-            pad, bt = Q - len(t), s.block_table
-            pos = range(st, st + len(t))
-            rows.append(t + [0] * pad + list(pos) + [0] * pad + [bt[p // bs] * bs + p % bs for p in pos]
-                        + [null * bs] * pad + bt + [null] * (self.nb - len(bt)))
-        rows += [self.pad_row(Q)] * (b - len(seqs))
+        rows = self.host_rows(seqs, tokens, starts, Q, self.nb) + [self.pad_row(Q)] * (b - len(seqs))
         return torch.tensor(rows, dtype=torch.long)
 
     @torch.inference_mode()

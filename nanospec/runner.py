@@ -22,13 +22,12 @@ class Runner:
         self.cache = model.new_kv_cache(num_blocks, block_size)
         self.device = self.cache.device
 
-    def prepare(self, seqs: list[Sequence], tokens: list[list[int]], starts: list[int]):
-        """-> input_ids [B, Q], positions [B, Q], PagedKV with slot_mapping [B, Q], key_slots [B, C]."""
-        bs, dev, null = self.block_size, self.device, self.null_block
-        Q = max(map(len, tokens))
-        nb = max(len(s.block_table) for s in seqs)
-        C = max(a + len(t) for a, t in zip(starts, tokens))
-        rows = []   # built on the host, one H2D copy: ids | positions | slots | block table
+    def host_rows(self, seqs: list[Sequence], tokens: list[list[int]], starts: list[int], Q: int,
+                  nb: int) -> list[list[int]]:
+        """Row b, built on the host for one H2D copy: ids | positions | slots (Q each) | block table (nb).
+        Padding: token 0 at position 0 writing to the null slot; table entries past the sequence's are
+        the null block (GraphRunner's static buffers use the same layout)."""
+        bs, null, rows = self.block_size, self.null_block, []
         for s, t, a in zip(seqs, tokens, starts):
             bt, pad, end = s.block_table, Q - len(t), a + len(t)
             slots, p = [], a
@@ -39,7 +38,15 @@ class Runner:
                 p += n
             rows.append(t + [0] * pad + [*range(a, end)] + [0] * pad + slots + [null * bs] * pad
                         + bt + [null] * (nb - len(bt)))
-        host = torch.tensor(rows, device=dev)
+        return rows
+
+    def prepare(self, seqs: list[Sequence], tokens: list[list[int]], starts: list[int]):
+        """-> input_ids [B, Q], positions [B, Q], PagedKV with slot_mapping [B, Q], key_slots [B, C]."""
+        bs, dev = self.block_size, self.device
+        Q = max(map(len, tokens))
+        nb = max(len(s.block_table) for s in seqs)
+        C = max(a + len(t) for a, t in zip(starts, tokens))
+        host = torch.tensor(self.host_rows(seqs, tokens, starts, Q, nb), device=dev)
         input_ids, positions, slot_mapping, table = host.split([Q, Q, Q, nb], 1)
         key_slots = (table[:, :, None] * bs + torch.arange(bs, device=dev)).flatten(1)[:, :C]  # key j -> slot
         index = None

@@ -530,10 +530,11 @@ def test_stop_inside_an_accepted_run_counts_only_the_drafts_before_it(models):
     out = llm.generate([p], SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[ref.token_ids[i]]),
                        use_tqdm=False)[0]
     assert out.token_ids == ref.token_ids[:i + 1] and out.finish_reason == "stop"
-    # prefill emits token 0; one verify step drafts tokens 1..8, keeps 1..i and stops on token i
+    # the prefill alone (speculative prefill) drafts tokens 0..7, keeps 0..i and stops on token i
     st = llm.stats
-    assert (st["verify_steps"], st["proposed_tokens"], st["accepted_tokens"]) == (1, i - 1, i - 1)
-    assert llm.summary()["mean_accepted_len"] == i == len(out.token_ids) - 1
+    assert (st["verify_steps"], st["proposed_tokens"], st["accepted_tokens"]) == (1, i, i)
+    assert st["target_forwards"] == 1
+    assert llm.summary()["mean_accepted_len"] == i + 1 == len(out.token_ids)   # every token from that one step
 
 
 # ---- abort -------------------------------------------------------------------------------------------

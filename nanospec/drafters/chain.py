@@ -123,6 +123,7 @@ def find_drafter(drafter: Drafter | None, name: str) -> Drafter | None:
 _METHODS = {"ngram": NgramDrafter, "suffix": SuffixDrafter, "prior": PriorRolloutDrafter}
 DEFAULT_DRAFT_TOKENS = 5     # num_draft_tokens when a method dict leaves it out (configs/*.yaml must set it)
 _MODEL_METHODS = ("self", "draft_model")
+METHODS = (*_METHODS, *_MODEL_METHODS)     # every `method` the speculative config accepts
 ENGINE_KEYS = {"method", "num_draft_tokens"}   # read by the engine, not passed to the drafter
 
 
@@ -147,8 +148,7 @@ def make_drafter(spec, **ctx) -> Drafter | None:
             raise ValueError(f"speculative method {method!r} needs ctx['model_drafter_factory'] (the engine's)")
         return factory(spec)
     if method not in _METHODS:
-        raise ValueError(f"speculative: unknown method {method!r}; expected one of "
-                         f"{sorted(_METHODS) + list(_MODEL_METHODS)}")
+        raise ValueError(f"speculative: unknown method {method!r}; expected one of {list(METHODS)}")
     cls = _METHODS[method]
     opts = {key: v for key, v in spec.items() if key not in ENGINE_KEYS}
     allowed = set(inspect.signature(cls).parameters)
