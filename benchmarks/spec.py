@@ -100,7 +100,7 @@ def run(args) -> list[dict]:
     num_prompts = 4 if args.quick else opts.prompts
     if Path(opts.model, "config.json").is_file():
         prompts, tok = workload(opts.model, num_prompts)
-        model_dir, label = opts.model, "synthetic task, SFT model"
+        model_dir, label = opts.model, f"synthetic task, {opts.model}"
     else:
         print(f"spec suite: no model at {opts.model} (run `make train` first); random model, repeated prompt")
         import tempfile
