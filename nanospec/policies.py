@@ -423,6 +423,8 @@ class LengthClasses:
     last stragglers at batch ~1, where a verify costs little more than a decode and long drafts pay.
     `for_engine` derives the budgets from a fitted LatencyModel (the default:
     `policies.length_class_budgets: null`); the embedded task's classes are [18, 72] (~median, ~p90).
+    With the toggle on, drafters that rate their drafts (prior, suffix) are trimmed per token instead
+    (SpeculationPolicy.budgets): the budgets then cap only the others (ngram, self, draft model).
     """
 
     def __init__(self, thresholds: Sequence[float], budgets: Sequence[int]):
@@ -472,7 +474,8 @@ class SpeculationPolicy:
     """The engine's one hook into the policies above (`LLM(..., policy=SpeculationPolicy(...))`).
 
     Per decode step: `budgets` gives each sequence its draft-length cap = min(ladder rung, length-class
-    budget of max(predicted, current) response length). After the drafter proposes, `clip` cuts each
+    budget of max(predicted, current) response length; with a toggle, the class budget only where
+    some drafter does not rate its drafts, see below). After the drafter proposes, `clip` cuts each
     row to the rung of the drafter that actually proposed it and, with a toggle, to 0 where *that
     drafter* would not pay this step: the toggle decides per source, so a weak suffix tree is switched
     off without also switching off good prior-rollout or bubble drafts (one pooled rate would do
@@ -530,7 +533,13 @@ class SpeculationPolicy:
         sources = list(dict.fromkeys(self.sources + seen)) or [""]
         k = max(self._rung(n, max_k) for n in sources)
         ks = [k] * len(seqs)
-        if self.classes is not None:
+        # With a toggle, drafts that rate their own tokens are cut row by row and token by token in
+        # clip() (trim_drafts: calibrated rates, this step's real batch and context). The start-up
+        # class budgets (one assumed acceptance, an assumed batch per class) would only cap them
+        # blindly: on the embedded task they cut prior+suffix from 5.5 to 3.0 tokens per verify
+        # (bench.py --suite rollout). They stay the cap for drafters that do not rate their drafts.
+        rated = self.toggle is not None and all(n in self.confident for n in sources)
+        if self.classes is not None and not rated:
             ks = [min(k, self.classes.budget(max(getattr(s, "predicted_len", 0) or 0, s.num_completion_tokens)))
                   for k, s in zip(ks, seqs)]
         self._steps += 1

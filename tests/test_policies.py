@@ -294,6 +294,21 @@ def test_policy_trims_confident_drafts_per_token():
     assert not any(pol.clip(prop, pol.budgets(seqs, 4), seqs).tokens)
 
 
+def test_class_budgets_cap_unrated_drafts_and_leave_rated_ones_to_the_toggle():
+    """Length-class budgets cap every row without a toggle, and with one the rows of drafters that do
+    not rate their tokens; rated drafts (prior, suffix) are cut by the per-token trim instead."""
+    from nanospec.policies import LengthClasses, SpeculationPolicy
+    classes = LengthClasses([18], [1, 3])
+    seqs = [type("S", (), {"num_completion_tokens": 5, "predicted_len": 10, "__len__": lambda self: 20})()
+            for _ in range(2)]
+    toggle = lambda: SpeculationToggle(LatencyModel(coef=[1, 0, 0.02, 0, 0]), 1.05)
+    assert SpeculationPolicy(classes=classes, sources=["prior"], confident_sources=["prior"]).budgets(seqs, 8) == [1, 1]
+    assert SpeculationPolicy(classes=classes, toggle=toggle(), sources=["prior", "suffix"],
+                             confident_sources=["prior", "suffix"]).budgets(seqs, 8) == [8, 8]
+    assert SpeculationPolicy(classes=classes, toggle=toggle(), sources=["prior", "self"],
+                             confident_sources=["prior"]).budgets(seqs, 8) == [1, 1]
+
+
 def test_confidence_calibration_learns_measured_acceptance_per_position_and_bin():
     """Raw confidence until a cell has data; then the measured acceptance of the tokens that were
     tested (up to the first rejection), per source, draft position and confidence bin."""
