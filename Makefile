@@ -17,10 +17,13 @@ train: venv  ## SFT warm-up (reused if present) + GRPO with speculative rollouts
 draft: venv  ## the small draft model for `method: draft_model` (SFT only; runs/draft)
 	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc_per_node=2 train.py --config configs/draft.yaml --sft-only
 
+mlp: venv    ## the n-gram MLP for `method: suffix_mlp`, distilled from runs/sft (~40 s; runs/ngram_mlp)
+	$(BIN)/python -m nanospec.drafters.suffix_mlp --model runs/sft --out runs/ngram_mlp
+
 test: venv   ## the whole suite, slow end-to-end tests included (CI runs exactly this)
 	$(BIN)/python -m pytest -q tests
 
 bench: venv
 	$(BIN)/python bench.py --suite all
 
-.PHONY: venv train draft test bench
+.PHONY: venv train draft mlp test bench

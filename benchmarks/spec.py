@@ -8,7 +8,8 @@ pass by pass so drift of a shared machine hits them all alike. Distinct seeds pe
 pass is new samples, not a replay. The "toggle" and "toggle+ladder" rows add the engine-level
 policies (cost-model toggle, which for suffix and prior drafts cuts each row's draft where its
 estimated acceptance no longer pays for the verify; then the draft-length ladder; policies.py). The "draft model"
-row needs a draft model directory (`--draft`, default runs/draft, made by `make draft`). Samples
+row needs a draft model directory (`--draft`, default runs/draft, made by `make draft`), the
+"suffix+mlp" rows an n-gram MLP distilled from the SFT model (`--mlp`, default runs/ngram_mlp, `make mlp`). Samples
 differ between variants (same distribution, different draws), so `speedup` compares tokens/s;
 `wall_speedup` compares the batch's wall time.
 Without the SFT model the workload falls back to G samples of one repeated prompt on a random model.
@@ -94,6 +95,7 @@ def run(args) -> list[dict]:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--G", type=int, default=8)
     ap.add_argument("--draft", default="runs/draft", help="draft model directory for the draft-model row")
+    ap.add_argument("--mlp", default="runs/ngram_mlp", help="n-gram MLP directory for the suffix+mlp rows")
     ap.add_argument("--reps", type=int, default=3, help="timed passes after the history pass")
     opts, _ = ap.parse_known_args(args.extra)
     variants = [(*v, 1.0) for v in VARIANTS]
@@ -108,6 +110,11 @@ def run(args) -> list[dict]:
         model_dir, tok, label = tempfile.mkdtemp(), None, "random model, one repeated prompt"
         tiny_llama(model_dir)
         prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]] * num_prompts
+    if tok is not None and Path(opts.mlp, "ngram_mlp.json").is_file():   # suffix tree + distilled n-gram MLP
+        SMLP = {"method": "suffix_mlp", "model": opts.mlp, "num_draft_tokens": 8}
+        variants += [("suffix+mlp", SMLP, None, 1.0), ("prior+suffix+mlp", [PRIOR, SMLP], None, 1.0)]
+    else:
+        print(f"spec suite: suffix+mlp rows skipped: no n-gram MLP at {opts.mlp} (`make mlp`)")
     if tok is not None and Path(opts.draft, "config.json").is_file():
         variants.append(("draft model", {"method": "draft_model", "model": opts.draft, "num_draft_tokens": 3}, None, 1.0))
     else:

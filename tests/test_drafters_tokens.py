@@ -125,7 +125,7 @@ def test_suffix_window_eviction():
     d.next_step()
     d.next_step()
     assert "q" not in d._trees                                  # idle prompt's trie dropped
-    tree = d._tree(mkseq(prompt, key="q"))
+    tree = d.tree(mkseq(prompt, key="q"))
     assert not tree.texts and set(trie_paths(tree)) == set(trie_paths(_fresh(8, [prompt])))
 
 
@@ -156,7 +156,7 @@ def test_suffix_memory_bound_and_removal_exact():
             grow(running, [rng.randrange(6) for _ in range(rng.randrange(1, 4))])
     assert len(tree.texts) < 30                                # something was evicted
     big = SuffixDrafter(depth=4, max_nodes=20)                 # a prompt larger than the bound
-    assert big._tree(mkseq(list(range(50)), key="p")).size <= 20
+    assert big.tree(mkseq(list(range(50)), key="p")).size <= 20
 
 
 def test_suffix_global_fallback():

@@ -122,7 +122,7 @@ def find_drafter(drafter: Drafter | None, name: str) -> Drafter | None:
 
 _METHODS = {"ngram": NgramDrafter, "suffix": SuffixDrafter, "prior": PriorRolloutDrafter}
 DEFAULT_DRAFT_TOKENS = 5     # num_draft_tokens when a method dict leaves it out (configs/*.yaml must set it)
-_MODEL_METHODS = ("self", "draft_model")
+_MODEL_METHODS = ("self", "draft_model", "suffix_mlp")   # built with the engine (build_model_drafter)
 METHODS = (*_METHODS, *_MODEL_METHODS)     # every `method` the speculative config accepts
 ENGINE_KEYS = {"method", "num_draft_tokens"}   # read by the engine, not passed to the drafter
 

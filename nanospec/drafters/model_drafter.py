@@ -42,7 +42,8 @@ from ..sequence import Sequence
 from .base import Drafter, Proposal
 
 OPTIONS = {"self": {"method", "num_draft_tokens", "seed"},
-           "draft_model": {"method", "num_draft_tokens", "seed", "model"}}
+           "draft_model": {"method", "num_draft_tokens", "seed", "model"},
+           "suffix_mlp": {"method", "num_draft_tokens", "seed", "model", "override", "min_mlp_prob", "min_path_prob"}}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
@@ -178,8 +179,9 @@ def _load_draft_model(path, llm) -> nn.Module:
     return model
 
 
-def build_model_drafter(spec: dict, llm) -> ModelDrafter:
-    """speculative {"method": "self" | "draft_model", "num_draft_tokens": k, "model": path, "seed": s}."""
+def build_model_drafter(spec: dict, llm) -> Drafter:
+    """speculative {"method": "self" | "draft_model" | "suffix_mlp", "num_draft_tokens": k, "model": path,
+    "seed": s, ...}: the drafters that need the engine (its model, vocabulary, block pool)."""
     method = spec.get("method")
     if method not in OPTIONS:
         raise ValueError(f"speculative: method must be one of {sorted(OPTIONS)} here, got {method!r}")
@@ -188,6 +190,16 @@ def build_model_drafter(spec: dict, llm) -> ModelDrafter:
         raise ValueError(f"speculative[{method}]: unknown option(s) {sorted(unknown)}; "
                          f"accepted: {sorted(OPTIONS[method])}")
     seed = spec.get("seed", 0)
+    if method == "suffix_mlp":
+        from .suffix_mlp import SuffixMLPDrafter
+        if not spec.get("model"):
+            raise ValueError("speculative[suffix_mlp]: 'model' (a directory written by nanospec.drafters.suffix_mlp) is required")
+        drafter = SuffixMLPDrafter(spec["model"], seed=seed, **{k: spec[k] for k in OPTIONS[method] - {
+            "method", "num_draft_tokens", "seed", "model"} if k in spec})
+        if drafter.mlp.vocab_size != llm.vocab_size:
+            raise ValueError(f"speculative[suffix_mlp]: the n-gram MLP in {spec['model']} has vocab_size "
+                             f"{drafter.mlp.vocab_size} but the target has {llm.vocab_size}")
+        return drafter
     if method == "self":
         model, quantized = quantize_policy(llm.model)
         return ModelDrafter("self", model, llm, seed, quantized)

@@ -127,7 +127,8 @@ class SuffixDrafter(Drafter):
         self._global = _Trie(depth) if use_global else None
         self._match: dict[int, dict[str, tuple]] = {}          # seq_id -> slot -> (trie, version, len, node)
 
-    def _tree(self, seq: Sequence) -> _Trie:
+    def tree(self, seq: Sequence) -> _Trie:
+        """The trie of seq's prompt (made from the prompt on first use)."""
         tree = self._trees.get(seq.prompt_key)
         if tree is None:
             tree = self._trees[seq.prompt_key] = _Trie(self.depth)
@@ -147,7 +148,7 @@ class SuffixDrafter(Drafter):
         self._evict(trie, max_nodes)
 
     def observe(self, seq: Sequence) -> None:
-        tree, resp = self._tree(seq), seq.completion_token_ids
+        tree, resp = self.tree(seq), seq.completion_token_ids
         if resp:
             self._add(tree, tree.tail + resp, self.max_nodes)
             if self._global is not None:
@@ -162,6 +163,10 @@ class SuffixDrafter(Drafter):
                 del self._trees[key]
         if self._global is not None:
             self._evict(self._global, self.global_max_nodes)
+
+    def match(self, seq: Sequence, trie: _Trie) -> _Node:
+        """The node of the longest suffix of seq's tokens in its prompt's trie (walk on with trie.step)."""
+        return self._match_node(seq, "prompt", trie)
 
     def _match_node(self, seq: Sequence, slot: str, trie: _Trie) -> _Node:
         toks, L = seq.token_ids, len(seq.token_ids)
@@ -182,7 +187,7 @@ class SuffixDrafter(Drafter):
                         confidence=[c for _, c in drafts])
 
     def _draft(self, seq: Sequence, k: int) -> tuple[list[int], list[float]]:
-        tree = self._tree(seq)
+        tree = self.tree(seq)
         node = self._match_node(seq, "prompt", tree)
         draft = tree.draft(node, k, self.alpha, self.min_prob)
         if self._global is not None:

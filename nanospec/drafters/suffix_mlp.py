@@ -1,0 +1,221 @@
+"""Suffix tree + a distilled n-gram MLP, choosing token by token which one drafts.
+
+Why: at T=1 a GRPO sample that once slipped (one wrong running sum on the embedded task) no longer
+shares its siblings' continuations. The suffix tree still drafts its copied digits and labels right
+(they come from the prompt), but every later sum it drafts is a sibling's, and such a draft is
+rejected ~90% of the time. A draft model knows the sums, but on CPU each of its forwards costs a
+third of the target's (fixed per-step overhead), so as a drafter of its own it does not pay. An MLP
+over the last n tokens (Bengio et al. 2003's neural n-gram model), distilled from the policy on its
+own samples, costs ~0.1 ms per batched call and gets exactly the *local* tokens right (on the
+embedded task: a sample drawn from it is accepted 0.99 at sums and `;`, 0.84 at labels) but not
+the copied digits (0.21: they need the prompt). The two are complementary, so per draft position:
+
+    m = MLP(last n tokens of context + drafts so far)        q_m = its sampling distribution
+    t = the suffix tree's most frequent continuation there (or none)
+    if t exists and not (max q_m >= override and argmax q_m != t):   draft t    (q = onehot(t))
+    elif max q_m >= min_mlp_prob:                                     draft x ~ q_m (q = q_m)
+    else: stop
+and stop once the estimated probability that the whole draft is accepted drops below min_path_prob.
+Which distribution a position uses depends only on the context and the drafts before it, so the
+proposal is a valid sequential q and verify's min(1, p/q) rule keeps sampling exact (speculative.py:
+point-mass rows and sampled rows mix per position).
+
+`distill` trains the MLP: sample prompts at T=1 with the engine, run the target once over each
+sequence for p at every completion position, minimise cross-entropy H(p, q_m) (soft labels).
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from ..sequence import SamplingParams, Sequence
+from .base import Drafter, Proposal
+from .suffix import SuffixDrafter
+
+CONFIG = "ngram_mlp.json"
+WEIGHTS = "model.safetensors"
+
+
+class NGramMLP(nn.Module):
+    """logits of the next token from the previous n: [b, n] token ids -> [b, V] (pad id 0 on the left)."""
+
+    def __init__(self, vocab_size: int, n: int = 4, dim: int = 64, hidden: int = 256):
+        super().__init__()
+        for field, value in (("vocab_size", vocab_size), ("n", n), ("dim", dim), ("hidden", hidden)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"NGramMLP: {field} must be an int >= 1, got {value!r}")
+        self.vocab_size, self.n, self.dim, self.hidden = vocab_size, n, dim, hidden
+        self.embed = nn.Embedding(vocab_size, dim)
+        self.up = nn.Linear(n * dim, hidden)
+        self.out = nn.Linear(hidden, vocab_size)
+
+    def forward(self, windows: torch.Tensor) -> torch.Tensor:
+        x = self.embed(windows).flatten(1)                                   # [b, n * dim]
+        return self.out(F.silu(self.up(x)))                                  # [b, V]
+
+    def window(self, tokens: list[int]) -> list[int]:
+        return ([0] * self.n + tokens[-self.n:])[-self.n:]
+
+    def save(self, path: str | Path) -> None:
+        """Atomically: written to a temp dir, renamed into place."""
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in self.state_dict().items()}, str(tmp / WEIGHTS))
+        (tmp / CONFIG).write_text(json.dumps(dict(vocab_size=self.vocab_size, n=self.n, dim=self.dim,
+                                                  hidden=self.hidden)))
+        if path.exists():
+            for f in path.iterdir():
+                f.unlink()
+            path.rmdir()
+        tmp.rename(path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "NGramMLP":
+        path = Path(path)
+        if not (path / CONFIG).is_file() or not (path / WEIGHTS).is_file():
+            raise ValueError(f"speculative[suffix_mlp]: {path} holds no n-gram MLP (expected {CONFIG} and "
+                             f"{WEIGHTS}; make one with `python -m nanospec.drafters.suffix_mlp`)")
+        model = cls(**json.loads((path / CONFIG).read_text()))
+        model.load_state_dict(load_file(str(path / WEIGHTS)))
+        return model.eval()
+
+
+def distill(llm, prompts, samples_per_prompt: int = 8, max_tokens: int = 112, steps: int = 3000,
+            batch_size: int = 512, lr: float = 3e-3, n: int = 4, seed: int = 0, log=print) -> NGramMLP:
+    """An NGramMLP that imitates `llm`'s model on its own T=1 samples of `prompts`."""
+    torch.manual_seed(seed)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, SamplingParams(temperature=1.0, max_tokens=max_tokens, n=samples_per_prompt,
+                                                seed=seed), use_tqdm=False)
+    windows, targets = [], []
+    with torch.inference_mode():
+        for o in outs:
+            ids = o.prompt_token_ids + o.token_ids
+            hidden = llm.model(torch.tensor([ids], device=llm.device))[0, len(o.prompt_token_ids) - 1:-1]
+            targets.append(llm.model.logits(hidden).softmax(-1).cpu())                 # [T, V]: p at each
+            windows += [([0] * n + ids[:i])[-n:] for i in range(len(o.prompt_token_ids), len(ids))]
+    X, P = torch.tensor(windows), torch.cat(targets)
+    mlp = NGramMLP(llm.vocab_size, n=n)
+    opt = torch.optim.AdamW(mlp.parameters(), lr=lr)
+    for _ in range(steps):
+        i = torch.randint(0, len(X), (batch_size,))
+        loss = -(P[i] * mlp(X[i]).log_softmax(-1)).sum(-1).mean()      # H(p, q): distillation on soft labels
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    entropy = -(P * P.clamp_min(1e-12).log()).sum(-1).mean().item()
+    log(f"[suffix_mlp] distilled on {len(X)} positions of {len(outs)} samples in {time.perf_counter() - t0:.0f}s: "
+        f"H(p, q) {loss.item():.3f} (H(p) {entropy:.3f})")
+    return mlp.eval()
+
+
+def _best_child(trie, node) -> tuple[int | None, float]:
+    """The suffix tree's most frequent continuation of the longest matched suffix that has one, and
+    its frequency there (count / the path's count); (None, 0) when nothing matches."""
+    while node is not trie.root:
+        if node.children:
+            t, child = max(node.children.items(), key=lambda kv: kv[1].count)
+            return t, child.count / node.count
+        node = node.link
+    return None, 0.0
+
+
+class SuffixMLPDrafter(Drafter):
+    name = "suffix_mlp"
+    stochastic = True     # positions drafted by the MLP carry its q; tree positions a point mass
+
+    def __init__(self, model: str | NGramMLP, override: float = 0.8, min_mlp_prob: float = 0.3,
+                 min_path_prob: float = 0.6, seed: int = 0):
+        for field, value in (("override", override), ("min_mlp_prob", min_mlp_prob), ("min_path_prob", min_path_prob)):
+            if not 0 <= value <= 1:
+                raise ValueError(f"speculative[suffix_mlp]: {field} must be in [0, 1], got {value}")
+        self.mlp = model if isinstance(model, NGramMLP) else NGramMLP.load(model)
+        self.suffix = SuffixDrafter()
+        self.override, self.min_mlp_prob, self.min_path_prob = override, min_mlp_prob, min_path_prob
+        self.generator = torch.Generator().manual_seed(seed)    # draft sampling only, not verify's uniforms
+
+    @torch.inference_mode()
+    def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> Proposal:
+        B, V = len(seqs), self.mlp.vocab_size
+        drafts: list[list[int]] = [[] for _ in seqs]
+        temperature = torch.tensor([s.params.temperature or 1.0 for s in seqs]).unsqueeze(-1)    # [B, 1]
+        rows = [i for i in range(B) if num_tokens[i] > 0]
+        trees = {i: self.suffix.tree(seqs[i]) for i in rows}
+        nodes = {i: self.suffix.match(seqs[i], trees[i]) for i in rows}
+        windows = {i: self.mlp.window(seqs[i].token_ids) for i in rows}
+        path_prob = dict.fromkeys(rows, 1.0)
+        onehot, sampled, probs = [], [], []     # (row, position, token); (row, position, index into probs)
+        j = done = 0
+        while rows:   # one batched MLP call per draft position
+            logits = self.mlp(torch.tensor([windows[i] for i in rows]))                        # [b, V]
+            p = (logits / temperature[rows]).softmax(-1)       # q at the target's T (no top-k/p: any q is exact)
+            draws = torch.multinomial(p, 1, generator=self.generator).squeeze(1).tolist()
+            p_max, p_arg = (x.tolist() for x in p.max(-1))
+            probs.append(p)
+            keep = []
+            for r, i in enumerate(rows):
+                t, freq = _best_child(trees[i], nodes[i])
+                if t is not None and not (p_max[r] >= self.override and p_arg[r] != t):
+                    # the MLP has no opinion (e.g. a copied digit) or agrees: keep the tree's token
+                    est = freq if p_max[r] < self.override else p_max[r]
+                    entry, bucket = (i, j, t), onehot
+                elif p_max[r] >= self.min_mlp_prob:
+                    t = p_arg[r] if seqs[i].params.temperature == 0 else draws[r]
+                    est, entry, bucket = p_max[r], (i, j, done + r), sampled
+                else:
+                    continue
+                path_prob[i] *= est
+                if drafts[i] and path_prob[i] < self.min_path_prob:
+                    continue
+                bucket.append(entry)
+                drafts[i].append(t)
+                windows[i] = windows[i][1:] + [t]
+                nodes[i] = trees[i].step(nodes[i], t)
+                if len(drafts[i]) < num_tokens[i]:
+                    keep.append(i)
+            done += len(rows)
+            rows, j = keep, j + 1
+        q = torch.zeros(B, max(map(len, drafts), default=0), V)                                 # [B, k, V]
+        if onehot:
+            at = torch.tensor(onehot)
+            q[at[:, 0], at[:, 1], at[:, 2]] = 1.0
+        if sampled:
+            at = torch.tensor(sampled)
+            q[at[:, 0], at[:, 1]] = torch.cat(probs)[at[:, 2]]
+        return Proposal(drafts, q, [self.name if d else "" for d in drafts])
+
+    def observe(self, seq: Sequence) -> None:
+        self.suffix.observe(seq)
+
+    def free(self, seq: Sequence) -> None:
+        self.suffix.free(seq)
+
+    def next_step(self) -> None:
+        self.suffix.next_step()
+
+
+def main(argv=None) -> None:
+    """python -m nanospec.drafters.suffix_mlp --model runs/sft --out runs/ngram_mlp  (embedded task)"""
+    import argparse
+    from ..engine import LLM
+    from ..tasks import SyntheticTask, format_prompt
+    ap = argparse.ArgumentParser(description="distill an n-gram MLP drafter from a model on the embedded task")
+    ap.add_argument("--model", default="runs/sft")
+    ap.add_argument("--out", default="runs/ngram_mlp")
+    ap.add_argument("--prompts", type=int, default=128, help="train prompts, 8 samples each")
+    args = ap.parse_args(argv)
+    llm = LLM(args.model, max_num_seqs=64)
+    prompts = [format_prompt(llm.tokenizer, p.prompt) for p in SyntheticTask(seed=0).train(args.prompts)]
+    distill(llm, prompts).save(args.out)
+    print(f"[suffix_mlp] wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
