@@ -79,6 +79,8 @@ def test_distill_imitates_the_target_and_round_trips(tiny_models, tmp_path):
         assert kl(mlp) < 0.95 * kl(NGramMLP(llm.vocab_size, n=3).eval())
     mlp.save(tmp_path / "mlp")
     mlp.save(tmp_path / "mlp")                                   # overwrite in place
+    with pytest.raises(ValueError, match="holds no"):
+        mlp.save(tmp_path)                                       # never replaces another directory
     loaded = NGramMLP.load(tmp_path / "mlp")
     with torch.inference_mode():
         torch.testing.assert_close(loaded(win), mlp(win))

@@ -63,8 +63,10 @@ class NGramMLP(nn.Module):
         return ([0] * self.n + tokens[-self.n:])[-self.n:]
 
     def save(self, path: str | Path) -> None:
-        """Atomically: written to a temp dir, renamed into place."""
+        """Atomically: written to a temp dir, renamed into place (replacing only an earlier n-gram MLP)."""
         path = Path(path)
+        if path.exists() and not (path / CONFIG).is_file():
+            raise ValueError(f"NGramMLP.save: {path} exists and holds no {CONFIG}; choose another directory")
         tmp = path.with_name(path.name + ".tmp")
         tmp.mkdir(parents=True, exist_ok=True)
         save_file({k: v.contiguous() for k, v in self.state_dict().items()}, str(tmp / WEIGHTS))
