@@ -3,7 +3,8 @@
 Each row adds one policy to the row above -- AR (and AR with length-aware assignment alone, to see
 balancing without speculation's noise); +spec (prior+suffix drafters); +bubble drafting
 (BubbleSpec); +length-aware assignment and length-class budgets (DAS); +toggle; +adaptive draft
-length -- then a forced-bad drafter without and with the toggle. Every variant has its own engines
+length; then, beside +spec, prior + suffix_mlp (suffix tree + n-gram MLP), its MLP learned online from
+the rollouts or distilled beforehand (`make mlp`) -- then a forced-bad drafter without and with the toggle. Every variant has its own engines
 (one core per rank) and runs the same `--steps` consecutive rollout steps, interleaved step by step
 with the other variants (drifting load on a shared machine hits all of them alike), over a cycling
 prompt pool (3 x prompts per step: the first steps see new prompts, later ones revisit them as
@@ -38,6 +39,9 @@ VARIANTS = [
     ("+toggle", SPEC, dict(bubble_drafting=True, length_aware_assignment=True, length_classes=CLASSES, toggle=True)),
     ("+adaptive draft length", SPEC, dict(bubble_drafting=True, length_aware_assignment=True,
                                           length_classes=CLASSES, toggle=True, adaptive_draft_length=True)),
+    ("+spec (prior+suffix_mlp, online)", [SPEC[0], {"method": "suffix_mlp", "num_draft_tokens": SPEC_K, "learn_lr": 3e-3, "learn_epochs": 8}], {}),
+    ("+spec (prior+suffix_mlp, make mlp)", [SPEC[0], {"method": "suffix_mlp", "num_draft_tokens": SPEC_K,
+                                                      "model": "runs/ngram_mlp"}], {}),
     ("bad drafter", "bad", dict(length_aware_assignment=True)),
     ("bad drafter + toggle", "bad", dict(length_aware_assignment=True, toggle=True)),
 ]
@@ -153,6 +157,11 @@ def run(args) -> list[dict]:
     ap.add_argument("--variants", default=None, help="comma-separated row indices (default: all; 0 = AR is always run)")
     o, _ = ap.parse_known_args(args.extra)
     keep = sorted({0, *map(int, o.variants.split(","))}) if o.variants else range(len(VARIANTS))
+    missing = lambda spec: [d["model"] for d in spec if "model" in d and not Path(d["model"]).is_dir()] \
+        if isinstance(spec, list) else []
+    for i in [i for i in keep if missing(VARIANTS[i][1])]:
+        print(f"rollout suite: {VARIANTS[i][0]} skipped: no n-gram MLP at {missing(VARIANTS[i][1])[0]} (`make mlp`)")
+    keep = [i for i in keep if not missing(VARIANTS[i][1])]
     opts = dict(steps=o.steps or (3 if args.quick else 7), prompts=o.prompts, G=o.G, variants=list(keep))
     model_path = o.model if Path(o.model, "config.json").is_file() else None
     label = f"SFT {o.model}" if model_path else f"RANDOM tiny model (no SFT model at {o.model})"

@@ -96,3 +96,22 @@ def test_distill_imitates_the_target_and_round_trips(tiny_models, tmp_path):
         LLM(path, speculative={**spec, "override": 2.0})
     with pytest.raises(ValueError, match="unknown option"):
         LLM(path, speculative={**spec, "depth": 8})
+
+
+def test_untrained_mlp_learns_online_from_observed_rollouts(tiny_models):
+    """Without a distilled model the MLP starts untrained (never confident: the drafter is the suffix
+    tree) and next_step() trains it on the rollouts observed since the last step."""
+    llm = LLM(tiny_models["llama"][0], max_num_seqs=32, speculative={"method": "suffix_mlp", "num_draft_tokens": 4})
+    drafter = llm.drafter
+    prompts = repetitive_prompts(8, seed=7)
+    outs = llm.generate(prompts, SamplingParams(temperature=1.0, max_tokens=16, n=4, seed=0), use_tqdm=False)
+    assert drafter.new_examples == sum(len(o.token_ids) for o in outs) == len(drafter.examples)
+    X = torch.tensor([w for w, _ in drafter.examples])
+    Y = torch.tensor([t for _, t in drafter.examples])
+    loss = lambda: torch.nn.functional.cross_entropy(drafter.mlp(X), Y).item()
+    before = loss()
+    for _ in range(10):          # the same rollouts count as new once; later steps replay the buffer
+        drafter.new_examples = len(drafter.examples)
+        drafter.next_step()
+    assert loss() < 0.8 * before and drafter.new_examples == 0
+    assert not drafter.mlp.training

@@ -43,7 +43,8 @@ from .base import Drafter, Proposal
 
 OPTIONS = {"self": {"method", "num_draft_tokens", "seed"},
            "draft_model": {"method", "num_draft_tokens", "seed", "model"},
-           "suffix_mlp": {"method", "num_draft_tokens", "seed", "model", "override", "min_mlp_prob", "min_path_prob"}}
+           "suffix_mlp": {"method", "num_draft_tokens", "seed", "model", "override", "min_mlp_prob", "min_path_prob",
+                          "learn_epochs", "learn_lr", "buffer"}}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
@@ -192,12 +193,11 @@ def build_model_drafter(spec: dict, llm) -> Drafter:
     seed = spec.get("seed", 0)
     if method == "suffix_mlp":
         from .suffix_mlp import SuffixMLPDrafter
-        if not spec.get("model"):
-            raise ValueError("speculative[suffix_mlp]: 'model' (a directory written by nanospec.drafters.suffix_mlp) is required")
-        drafter = SuffixMLPDrafter(spec["model"], seed=seed, **{k: spec[k] for k in OPTIONS[method] - {
-            "method", "num_draft_tokens", "seed", "model"} if k in spec})
+        # no "model": an untrained MLP that learns online from the rollouts (suffix_mlp.py)
+        drafter = SuffixMLPDrafter(spec.get("model"), vocab_size=llm.vocab_size, seed=seed, **{
+            k: spec[k] for k in OPTIONS[method] - {"method", "num_draft_tokens", "seed", "model"} if k in spec})
         if drafter.mlp.vocab_size != llm.vocab_size:
-            raise ValueError(f"speculative[suffix_mlp]: the n-gram MLP in {spec['model']} has vocab_size "
+            raise ValueError(f"speculative[suffix_mlp]: the n-gram MLP in {spec.get('model')} has vocab_size "
                              f"{drafter.mlp.vocab_size} but the target has {llm.vocab_size}")
         return drafter
     if method == "self":

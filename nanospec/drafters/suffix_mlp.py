@@ -22,11 +22,20 @@ point-mass rows and sampled rows mix per position).
 
 `distill` trains the MLP: sample prompts at T=1 with the engine, run the target once over each
 sequence for p at every completion position, minimise cross-entropy H(p, q_m) (soft labels).
+Online (`learn_epochs > 0`, the default): every finished rollout the drafter observes becomes
+(window, next token) pairs, and `next_step()` (once per rollout step, i.e. after each policy update)
+trains on the new ones with hard labels (the sampled tokens: the same optimum as distillation, in
+expectation), replaying a bounded buffer of recent ones. So the MLP follows the policy, and with no
+`model` at all it starts untrained: an untrained MLP is never confident, so the drafter is then the
+plain suffix tree, and the MLP takes over positions as it learns.
 """
 from __future__ import annotations
 
 import json
+import math
+import random
 import time
+from collections import deque
 from pathlib import Path
 
 import torch
@@ -133,15 +142,25 @@ class SuffixMLPDrafter(Drafter):
     name = "suffix_mlp"
     stochastic = True     # positions drafted by the MLP carry its q; tree positions a point mass
 
-    def __init__(self, model: str | NGramMLP, override: float = 0.8, min_mlp_prob: float = 0.3,
-                 min_path_prob: float = 0.6, seed: int = 0):
+    def __init__(self, model: str | NGramMLP | None = None, vocab_size: int | None = None, override: float = 0.8,
+                 min_mlp_prob: float = 0.3, min_path_prob: float = 0.6, learn_epochs: float = 2.0,
+                 learn_lr: float = 1e-3, buffer: int = 65536, seed: int = 0):
         for field, value in (("override", override), ("min_mlp_prob", min_mlp_prob), ("min_path_prob", min_path_prob)):
             if not 0 <= value <= 1:
                 raise ValueError(f"speculative[suffix_mlp]: {field} must be in [0, 1], got {value}")
-        self.mlp = model if isinstance(model, NGramMLP) else NGramMLP.load(model)
+        if not learn_epochs >= 0 or not learn_lr > 0 or not (isinstance(buffer, int) and buffer >= 1):
+            raise ValueError(f"speculative[suffix_mlp]: expected learn_epochs >= 0, learn_lr > 0 and an int "
+                             f"buffer >= 1, got {learn_epochs}, {learn_lr}, {buffer}")
+        if model is None and vocab_size is None:
+            raise ValueError("speculative[suffix_mlp]: without a 'model' the MLP starts untrained and needs vocab_size")
+        self.mlp = model if isinstance(model, NGramMLP) else NGramMLP.load(model) if model else NGramMLP(vocab_size)
         self.suffix = SuffixDrafter()
         self.override, self.min_mlp_prob, self.min_path_prob = override, min_mlp_prob, min_path_prob
+        self.learn_epochs, self.learn_lr = learn_epochs, learn_lr
+        self.examples: deque[tuple[list[int], int]] = deque(maxlen=buffer)   # (window, next token), newest last
+        self.new_examples, self.opt = 0, None
         self.generator = torch.Generator().manual_seed(seed)    # draft sampling only, not verify's uniforms
+        self.rng = random.Random(seed)
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> Proposal:
@@ -195,12 +214,32 @@ class SuffixMLPDrafter(Drafter):
 
     def observe(self, seq: Sequence) -> None:
         self.suffix.observe(seq)
+        if self.learn_epochs:   # plain lists: tensors made here (inference mode) could not be trained on
+            ids, start = seq.token_ids, seq.num_prompt_tokens
+            self.examples.extend((self.mlp.window(ids[:i]), ids[i]) for i in range(start, len(ids)))
+            self.new_examples += len(ids) - start
 
     def free(self, seq: Sequence) -> None:
         self.suffix.free(seq)
 
     def next_step(self) -> None:
+        """Age the suffix tree; train the MLP on what was observed since the last step (see module doc)."""
         self.suffix.next_step()
+        new, self.new_examples = min(self.new_examples, len(self.examples)), 0
+        if not (self.learn_epochs and new):
+            return
+        with torch.inference_mode(False), torch.enable_grad():
+            self.mlp.train()
+            self.opt = self.opt or torch.optim.AdamW(self.mlp.parameters(), lr=self.learn_lr)
+            examples = list(self.examples)
+            for _ in range(math.ceil(self.learn_epochs * new / 512)):
+                # half the batch from the newest examples, half replayed from the whole buffer
+                batch = self.rng.choices(examples[-new:], k=256) + self.rng.choices(examples, k=256)
+                loss = F.cross_entropy(self.mlp(torch.tensor([w for w, _ in batch])), torch.tensor([t for _, t in batch]))
+                self.opt.zero_grad(set_to_none=True)
+                loss.backward()
+                self.opt.step()
+            self.mlp.eval()
 
 
 def main(argv=None) -> None:
