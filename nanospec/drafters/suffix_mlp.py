@@ -3,8 +3,8 @@
 Why: at T=1 a GRPO sample that once slipped (one wrong running sum on the embedded task) no longer
 shares its siblings' continuations. The suffix tree still drafts its copied digits and labels right
 (they come from the prompt), but every later sum it drafts is a sibling's, and such a draft is
-rejected ~90% of the time. A draft model knows the sums, but on CPU each of its forwards costs a
-third of the target's (fixed per-step overhead), so as a drafter of its own it does not pay. An MLP
+rejected ~90% of the time. A draft model knows the sums, but on CPU each of its forwards costs about
+half the target's (fixed per-step overhead), so as a drafter of its own it does not pay. An MLP
 over the last n tokens (Bengio et al. 2003's neural n-gram model), distilled from the policy on its
 own samples, costs ~0.1 ms per batched call and gets exactly the *local* tokens right (on the
 embedded task: a sample drawn from it is accepted 0.99 at sums and `;`, 0.84 at labels) but not
@@ -216,7 +216,8 @@ class SuffixMLPDrafter(Drafter):
         self.suffix.observe(seq)
         if self.learn_epochs:   # plain lists: tensors made here (inference mode) could not be trained on
             ids, start = seq.token_ids, seq.num_prompt_tokens
-            self.examples.extend((self.mlp.window(ids[:i]), ids[i]) for i in range(start, len(ids)))
+            n = self.mlp.n
+            self.examples.extend((self.mlp.window(ids[max(0, i - n):i]), ids[i]) for i in range(start, len(ids)))
             self.new_examples += len(ids) - start
 
     def free(self, seq: Sequence) -> None:
