@@ -115,3 +115,12 @@ def test_untrained_mlp_learns_online_from_observed_rollouts(tiny_models):
         drafter.next_step()
     assert loss() < 0.8 * before and drafter.new_examples == 0
     assert not drafter.mlp.training
+    # a GRPO checkpoint keeps what it learned (checkpoint.engine_state: trie, examples, MLP, optimizer)
+    from nanospec.checkpoint import engine_state, load_engine_state
+    resumed = LLM(tiny_models["llama"][0], max_num_seqs=32, speculative={"method": "suffix_mlp", "num_draft_tokens": 4})
+    load_engine_state(resumed, engine_state(llm))
+    other = resumed.drafter
+    with torch.inference_mode():
+        torch.testing.assert_close(other.mlp(X), drafter.mlp(X))
+    assert list(other.examples) == list(drafter.examples)
+    assert other.opt.param_groups[0]["params"][0] is next(other.mlp.parameters())   # optimizer on the loaded MLP
