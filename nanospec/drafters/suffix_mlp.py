@@ -141,6 +141,9 @@ def _best_child(trie, node) -> tuple[int | None, float]:
 class SuffixMLPDrafter(Drafter):
     name = "suffix_mlp"
     stochastic = True     # positions drafted by the MLP carry its q; tree positions a point mass
+    # each draft token's estimated acceptance goes out as Proposal.confidence (the tree's frequency, or
+    # the MLP's max q): never a function of the sampled token itself, so trimming on it stays exact
+    confident = True
 
     def __init__(self, model: str | NGramMLP | None = None, vocab_size: int | None = None, override: float = 0.8,
                  min_mlp_prob: float = 0.3, min_path_prob: float = 0.6, learn_epochs: float = 2.0,
@@ -166,6 +169,7 @@ class SuffixMLPDrafter(Drafter):
     def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> Proposal:
         B, V = len(seqs), self.mlp.vocab_size
         drafts: list[list[int]] = [[] for _ in seqs]
+        confidence: list[list[float]] = [[] for _ in seqs]
         temperature = torch.tensor([s.params.temperature or 1.0 for s in seqs]).unsqueeze(-1)    # [B, 1]
         rows = [i for i in range(B) if num_tokens[i] > 0]
         trees = {i: self.suffix.tree(seqs[i]) for i in rows}
@@ -197,6 +201,7 @@ class SuffixMLPDrafter(Drafter):
                     continue
                 bucket.append(entry)
                 drafts[i].append(t)
+                confidence[i].append(est)
                 windows[i] = windows[i][1:] + [t]
                 nodes[i] = trees[i].step(nodes[i], t)
                 if len(drafts[i]) < num_tokens[i]:
@@ -210,7 +215,7 @@ class SuffixMLPDrafter(Drafter):
         if sampled:
             at = torch.tensor(sampled)
             q[at[:, 0], at[:, 1]] = torch.cat(probs)[at[:, 2]]
-        return Proposal(drafts, q, [self.name if d else "" for d in drafts])
+        return Proposal(drafts, q, [self.name if d else "" for d in drafts], confidence=confidence)
 
     def observe(self, seq: Sequence) -> None:
         self.suffix.observe(seq)
