@@ -121,10 +121,14 @@ def test_untrained_mlp_learns_online_from_observed_rollouts(tiny_models):
     drafter = llm.drafter
     prompts = repetitive_prompts(8, seed=7)
     outs = llm.generate(prompts, SamplingParams(temperature=1.0, max_tokens=16, n=4, seed=0), use_tqdm=False)
-    assert drafter.new_examples == sum(len(o.token_ids) for o in outs) == len(drafter.examples)
+    assert len(drafter.finished) == len(outs) and not drafter.examples    # cut into examples at next_step
+    before_mlp = {k: v.clone() for k, v in drafter.mlp.state_dict().items()}
+    drafter.next_step()
+    assert len(drafter.examples) == sum(len(o.token_ids) for o in outs) and not drafter.finished
     X = torch.tensor([w for w, _ in drafter.examples])
     Y = torch.tensor([t for _, t in drafter.examples])
     loss = lambda: torch.nn.functional.cross_entropy(drafter.mlp(X), Y).item()
+    drafter.mlp.load_state_dict(before_mlp)
     before = loss()
     for _ in range(10):          # the same rollouts count as new once; later steps replay the buffer
         drafter.new_examples = len(drafter.examples)

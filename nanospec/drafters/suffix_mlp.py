@@ -161,6 +161,7 @@ class SuffixMLPDrafter(Drafter):
         self.override, self.min_mlp_prob, self.min_path_prob = override, min_mlp_prob, min_path_prob
         self.learn_epochs, self.learn_lr = learn_epochs, learn_lr
         self.examples: deque[tuple[list[int], int]] = deque(maxlen=buffer)   # (window, next token), newest last
+        self.finished: list[tuple[list[int], int]] = []   # (token ids, prompt length) observed this step
         self.new_examples, self.opt = 0, None
         self.generator = torch.Generator().manual_seed(seed)    # draft sampling only, not verify's uniforms
         self.rng = random.Random(seed)
@@ -219,11 +220,8 @@ class SuffixMLPDrafter(Drafter):
 
     def observe(self, seq: Sequence) -> None:
         self.suffix.observe(seq)
-        if self.learn_epochs:   # plain lists: tensors made here (inference mode) could not be trained on
-            ids, start = seq.token_ids, seq.num_prompt_tokens
-            n = self.mlp.n
-            self.examples.extend((self.mlp.window(ids[max(0, i - n):i]), ids[i]) for i in range(start, len(ids)))
-            self.new_examples += len(ids) - start
+        if self.learn_epochs:   # cut into examples in next_step(), off the rollout's critical path
+            self.finished.append((seq.token_ids, seq.num_prompt_tokens))
 
     def free(self, seq: Sequence) -> None:
         self.suffix.free(seq)
@@ -231,6 +229,11 @@ class SuffixMLPDrafter(Drafter):
     def next_step(self) -> None:
         """Age the suffix tree; train the MLP on what was observed since the last step (see module doc)."""
         self.suffix.next_step()
+        n = self.mlp.n   # plain lists: tensors made while observing (inference mode) could not be trained on
+        for ids, start in self.finished:
+            self.examples.extend((self.mlp.window(ids[max(0, i - n):i]), ids[i]) for i in range(start, len(ids)))
+            self.new_examples += len(ids) - start
+        self.finished = []
         new, self.new_examples = min(self.new_examples, len(self.examples)), 0
         if not (self.learn_epochs and new):
             return
