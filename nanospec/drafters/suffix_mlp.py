@@ -178,37 +178,65 @@ class SuffixMLPDrafter(Drafter):
         windows = {i: self.mlp.window(seqs[i].token_ids) for i in rows}
         path_prob = dict.fromkeys(rows, 1.0)
         onehot, sampled, probs = [], [], []     # (row, position, token); (row, position, index into probs)
-        j = done = 0
-        while rows:   # one batched MLP call per draft position
-            logits = self.mlp(torch.tensor([windows[i] for i in rows]))                        # [b, V]
-            p = (logits / temperature[rows]).softmax(-1)       # q at the target's T (no top-k/p: any q is exact)
-            draws = torch.multinomial(p, 1, generator=self.generator).squeeze(1).tolist()
+        done = 0
+        while rows:   # one round per MLP-drafted token: a batched MLP call over every row's tree path
+            paths = {}                  # row -> the tree's path from here: [(token, frequency)], <= budget left
+            for i in rows:
+                node, path = nodes[i], []
+                while len(drafts[i]) + len(path) < num_tokens[i]:
+                    t, freq = _best_child(trees[i], node)
+                    if t is None:
+                        break
+                    path.append((t, freq))
+                    node = trees[i].step(node, t)
+                paths[i] = path
+            # windows at every path position and one past it (where the MLP may draft after the tree)
+            owner, batch = [], []
+            for i in rows:
+                w = windows[i]
+                for t, _ in paths[i]:
+                    owner.append(i)
+                    batch.append(w)
+                    w = w[1:] + [t]
+                owner.append(i)
+                batch.append(w)
+            logits = self.mlp(torch.tensor(batch))                                             # [n, V]
+            p = (logits / temperature[owner]).softmax(-1)      # q at the target's T (no top-k/p: any q is exact)
             p_max, p_arg = (x.tolist() for x in p.max(-1))
             probs.append(p)
-            keep = []
-            for r, i in enumerate(rows):
-                t, freq = _best_child(trees[i], nodes[i])
-                if t is not None and not (p_max[r] >= self.override and p_arg[r] != t):
-                    # the MLP has no opinion (e.g. a copied digit) or agrees: keep the tree's token
-                    est = freq if p_max[r] < self.override else p_max[r]
-                    entry, bucket = (i, j, t), onehot
-                elif p_max[r] >= self.min_mlp_prob:
-                    t = p_arg[r] if seqs[i].params.temperature == 0 else draws[r]
-                    est, entry, bucket = p_max[r], (i, j, done + r), sampled
-                else:
-                    continue
-                path_prob[i] *= est
-                if drafts[i] and path_prob[i] < self.min_path_prob:
-                    continue
-                bucket.append(entry)
-                drafts[i].append(t)
-                confidence[i].append(est)
-                windows[i] = windows[i][1:] + [t]
-                nodes[i] = trees[i].step(nodes[i], t)
-                if len(drafts[i]) < num_tokens[i]:
-                    keep.append(i)
-            done += len(rows)
-            rows, j = keep, j + 1
+            keep, want = [], []     # rows going on to the next round; (row, index in batch) to sample
+            r = 0
+            for i in rows:
+                path = paths[i]
+                for j, (t, freq) in enumerate([*path, (None, 0.0)]):
+                    if t is not None and not (p_max[r + j] >= self.override and p_arg[r + j] != t):
+                        # the MLP has no opinion (e.g. a copied digit) or agrees: keep the tree's token
+                        est = freq if p_max[r + j] < self.override else p_max[r + j]
+                        if drafts[i] and path_prob[i] * est < self.min_path_prob:
+                            break
+                        path_prob[i] *= est
+                        onehot.append((i, len(drafts[i]), t))
+                        self._append(i, t, est, drafts, confidence, windows, nodes, trees)
+                        continue
+                    # the tree has nothing here, or the MLP is sure of another token: the MLP drafts
+                    est = p_max[r + j]
+                    if (len(drafts[i]) < num_tokens[i] and est >= self.min_mlp_prob
+                            and not (drafts[i] and path_prob[i] * est < self.min_path_prob)):
+                        path_prob[i] *= est
+                        want.append((i, r + j))
+                    break
+                r += len(path) + 1
+            if want:
+                idx = [k for _, k in want]
+                draws = torch.multinomial(p[idx], 1, generator=self.generator).squeeze(1).tolist()
+                for (i, k), x in zip(want, draws):
+                    t = p_arg[k] if seqs[i].params.temperature == 0 else x
+                    sampled.append((i, len(drafts[i]), done + k))
+                    self._append(i, t, p_max[k], drafts, confidence, windows, nodes, trees)
+                    if len(drafts[i]) < num_tokens[i]:
+                        keep.append(i)
+            done += len(batch)
+            rows = keep
         q = torch.zeros(B, max(map(len, drafts), default=0), V)                                 # [B, k, V]
         if onehot:
             at = torch.tensor(onehot)
@@ -217,6 +245,13 @@ class SuffixMLPDrafter(Drafter):
             at = torch.tensor(sampled)
             q[at[:, 0], at[:, 1]] = torch.cat(probs)[at[:, 2]]
         return Proposal(drafts, q, [self.name if d else "" for d in drafts], confidence=confidence)
+
+    @staticmethod
+    def _append(i, t, est, drafts, confidence, windows, nodes, trees) -> None:
+        drafts[i].append(t)
+        confidence[i].append(est)
+        windows[i] = windows[i][1:] + [t]
+        nodes[i] = trees[i].step(nodes[i], t)
 
     def observe(self, seq: Sequence) -> None:
         self.suffix.observe(seq)
