@@ -86,6 +86,16 @@ class _Trie:
             node = node.link
         return node.children.get(t, node)
 
+    def continuation(self, node: _Node) -> tuple[int, float, _Node] | None:
+        """The most frequent next token after the longest suffix of node's string that has one: (token,
+        its count / that suffix's count, the node of the match extended by it = step(node, token))."""
+        while node is not self.root:
+            if node.children:
+                t, child = max(node.children.items(), key=lambda kv: kv[1].count)
+                return t, child.count / node.count, child
+            node = node.link
+        return None
+
     def draft(self, node: _Node, k: int, alpha: float, min_prob: float) -> tuple[list[int], list[float]]:
         """-> (draft tokens, each one's frequency among the continuations of the path before it)."""
         while node.depth > max(self.depth - k, self.depth // 2):   # leave room below for k tokens

@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from .. import sampler
 from ..sequence import SamplingParams, Sequence
 from .base import Drafter, Proposal
 from .suffix import SuffixDrafter
@@ -70,6 +71,10 @@ class NGramMLP(nn.Module):
 
     def window(self, tokens: list[int]) -> list[int]:
         return ([0] * self.n + tokens[-self.n:])[-self.n:]
+
+    def examples(self, ids: list[int], start: int) -> list[tuple[list[int], int]]:
+        """(window, next token) for every position of ids from start on (a completion: start = prompt length)."""
+        return [(self.window(ids[max(0, i - self.n):i]), ids[i]) for i in range(start, len(ids))]
 
     def save(self, path: str | Path) -> None:
         """Atomically: written to a temp dir, renamed into place (replacing only an earlier n-gram MLP)."""
@@ -105,15 +110,15 @@ def distill(llm, prompts, samples_per_prompt: int = 8, max_tokens: int = 112, st
     t0 = time.perf_counter()
     outs = llm.generate(prompts, SamplingParams(temperature=1.0, max_tokens=max_tokens, n=samples_per_prompt,
                                                 seed=seed), use_tqdm=False)
+    mlp = NGramMLP(llm.vocab_size, n=n)
     windows, targets = [], []
     with torch.inference_mode():
         for o in outs:
             ids = o.prompt_token_ids + o.token_ids
             hidden = llm.model(torch.tensor([ids], device=llm.device))[0, len(o.prompt_token_ids) - 1:-1]
             targets.append(llm.model.logits(hidden).softmax(-1).cpu())                 # [T, V]: p at each
-            windows += [([0] * n + ids[:i])[-n:] for i in range(len(o.prompt_token_ids), len(ids))]
+            windows += [w for w, _ in mlp.examples(ids, len(o.prompt_token_ids))]
     X, P = torch.tensor(windows), torch.cat(targets)
-    mlp = NGramMLP(llm.vocab_size, n=n)
     opt = torch.optim.AdamW(mlp.parameters(), lr=lr)
     for _ in range(steps):
         i = torch.randint(0, len(X), (batch_size,))
@@ -125,17 +130,6 @@ def distill(llm, prompts, samples_per_prompt: int = 8, max_tokens: int = 112, st
     log(f"[suffix_mlp] distilled on {len(X)} positions of {len(outs)} samples in {time.perf_counter() - t0:.0f}s: "
         f"H(p, q) {loss.item():.3f} (H(p) {entropy:.3f})")
     return mlp.eval()
-
-
-def _best_child(trie, node) -> tuple[int | None, float]:
-    """The suffix tree's most frequent continuation of the longest matched suffix that has one, and
-    its frequency there (count / the path's count); (None, 0) when nothing matches."""
-    while node is not trie.root:
-        if node.children:
-            t, child = max(node.children.items(), key=lambda kv: kv[1].count)
-            return t, child.count / node.count
-        node = node.link
-    return None, 0.0
 
 
 class SuffixMLPDrafter(Drafter):
@@ -171,7 +165,7 @@ class SuffixMLPDrafter(Drafter):
         B, V = len(seqs), self.mlp.vocab_size
         drafts: list[list[int]] = [[] for _ in seqs]
         confidence: list[list[float]] = [[] for _ in seqs]
-        temperature = torch.tensor([s.params.temperature or 1.0 for s in seqs]).unsqueeze(-1)    # [B, 1]
+        temperature = torch.tensor([s.params.temperature for s in seqs])                         # [B]
         rows = [i for i in range(B) if num_tokens[i] > 0]
         trees = {i: self.suffix.tree(seqs[i]) for i in rows}
         nodes = {i: self.suffix.match(seqs[i], trees[i]) for i in rows}
@@ -180,35 +174,32 @@ class SuffixMLPDrafter(Drafter):
         onehot, sampled, probs = [], [], []     # (row, position, token); (row, position, index into probs)
         done = 0
         while rows:   # one round per MLP-drafted token: a batched MLP call over every row's tree path
-            paths = {}                  # row -> the tree's path from here: [(token, frequency)], <= budget left
+            # row -> the tree's path from here, <= the budget left: [(token, frequency, match node after
+            # it, MLP window after it)]; the MLP sees the window at every path position and one past it
+            paths, owner, batch = {}, [], []
             for i in rows:
-                node, path = nodes[i], []
-                while len(drafts[i]) + len(path) < num_tokens[i]:
-                    t, freq = _best_child(trees[i], node)
-                    if t is None:
-                        break
-                    path.append((t, freq))
-                    node = trees[i].step(node, t)
-                paths[i] = path
-            # windows at every path position and one past it (where the MLP may draft after the tree)
-            owner, batch = [], []
-            for i in rows:
-                w = windows[i]
-                for t, _ in paths[i]:
-                    owner.append(i)
-                    batch.append(w)
-                    w = w[1:] + [t]
+                node, w, path = nodes[i], windows[i], []
                 owner.append(i)
                 batch.append(w)
+                while len(drafts[i]) + len(path) < num_tokens[i]:
+                    nxt = trees[i].continuation(node)
+                    if nxt is None:
+                        break
+                    t, freq, node = nxt
+                    w = w[1:] + [t]
+                    path.append((t, freq, node, w))
+                    owner.append(i)
+                    batch.append(w)
+                paths[i] = path
             logits = self.mlp(torch.tensor(batch))                                             # [n, V]
-            p = (logits / temperature[owner]).softmax(-1)      # q at the target's T (no top-k/p: any q is exact)
+            p = sampler.scaled(logits, temperature[owner]).softmax(-1)   # q at the target's T (no top-k/p: any q is exact)
             p_max, p_arg = (x.tolist() for x in p.max(-1))
             probs.append(p)
             keep, want = [], []     # rows going on to the next round; (row, index in batch) to sample
             r = 0
             for i in rows:
                 path = paths[i]
-                for j, (t, freq) in enumerate([*path, (None, 0.0)]):
+                for j, (t, freq, node, w) in enumerate([*path, (None, 0.0, None, None)]):
                     if t is not None and not (p_max[r + j] >= self.override and p_arg[r + j] != t):
                         # the MLP has no opinion (e.g. a copied digit) or agrees: keep the tree's token
                         est = freq if p_max[r + j] < self.override else p_max[r + j]
@@ -216,7 +207,9 @@ class SuffixMLPDrafter(Drafter):
                             break
                         path_prob[i] *= est
                         onehot.append((i, len(drafts[i]), t))
-                        self._append(i, t, est, drafts, confidence, windows, nodes, trees)
+                        drafts[i].append(t)
+                        confidence[i].append(est)
+                        nodes[i], windows[i] = node, w
                         continue
                     # the tree has nothing here, or the MLP is sure of another token: the MLP drafts
                     est = p_max[r + j]
@@ -232,7 +225,9 @@ class SuffixMLPDrafter(Drafter):
                 for (i, k), x in zip(want, draws):
                     t = p_arg[k] if seqs[i].params.temperature == 0 else x
                     sampled.append((i, len(drafts[i]), done + k))
-                    self._append(i, t, p_max[k], drafts, confidence, windows, nodes, trees)
+                    drafts[i].append(t)
+                    confidence[i].append(p_max[k])
+                    nodes[i], windows[i] = trees[i].step(nodes[i], t), windows[i][1:] + [t]
                     if len(drafts[i]) < num_tokens[i]:
                         keep.append(i)
             done += len(batch)
@@ -246,13 +241,6 @@ class SuffixMLPDrafter(Drafter):
             q[at[:, 0], at[:, 1]] = torch.cat(probs)[at[:, 2]]
         return Proposal(drafts, q, [self.name if d else "" for d in drafts], confidence=confidence)
 
-    @staticmethod
-    def _append(i, t, est, drafts, confidence, windows, nodes, trees) -> None:
-        drafts[i].append(t)
-        confidence[i].append(est)
-        windows[i] = windows[i][1:] + [t]
-        nodes[i] = trees[i].step(nodes[i], t)
-
     def observe(self, seq: Sequence) -> None:
         self.suffix.observe(seq)
         if self.learn_epochs:   # cut into examples in next_step(), off the rollout's critical path
@@ -264,9 +252,8 @@ class SuffixMLPDrafter(Drafter):
     def next_step(self) -> None:
         """Age the suffix tree; train the MLP on what was observed since the last step (see module doc)."""
         self.suffix.next_step()
-        n = self.mlp.n   # plain lists: tensors made while observing (inference mode) could not be trained on
-        for ids, start in self.finished:
-            self.examples.extend((self.mlp.window(ids[max(0, i - n):i]), ids[i]) for i in range(start, len(ids)))
+        for ids, start in self.finished:   # plain lists: tensors made while observing (inference mode)
+            self.examples.extend(self.mlp.examples(ids, start))   # could not be trained on
             self.new_examples += len(ids) - start
         self.finished = []
         new, self.new_examples = min(self.new_examples, len(self.examples)), 0
