@@ -1,4 +1,4 @@
-"""Benchmarks: `python bench.py --suite engine|spec|rollout|gpu|all [--out bench_out]`.
+"""Benchmarks: `python bench.py --suite engine|spec|rollout|gpu|real|all [--out bench_out]`.
 
 Each suite measures its variants side by side in one run, prints a table, and writes
 `<out>/<suite>.json` plus `<out>/<suite>.png` (speedup bars). Speed is only ever measured here,
@@ -13,7 +13,8 @@ import sys
 import time
 from pathlib import Path
 
-SUITES = ("engine", "spec", "rollout", "gpu")
+SUITES = ("engine", "spec", "rollout", "gpu", "real")
+ALL = ("engine", "spec", "rollout", "gpu")     # `real` fetches SmolLM2 and runs ~20 min: asked for by name
 
 
 def print_table(rows: list[dict], title: str) -> None:
@@ -37,7 +38,7 @@ def main(argv=None) -> int:
     import torch
     torch.set_num_threads(args.threads)
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    for suite in SUITES if args.suite == "all" else (args.suite,):
+    for suite in ALL if args.suite == "all" else (args.suite,):
         module = importlib.import_module(f"benchmarks.{suite}")
         t0 = time.perf_counter()
         rows = module.run(args)

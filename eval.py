@@ -29,10 +29,11 @@ def resolve(path: str):
     """-> (model dir, run config or None). A run dir resolves to its latest complete checkpoint."""
     from nanospec.checkpoint import latest_checkpoint, verify_checkpoint
     from nanospec.config import load_config
+    from nanospec.hub import resolve_model
     p = Path(path)
     cfg = load_config(p / "config.yaml") if (p / "config.yaml").is_file() else None
-    if (p / "config.json").is_file():
-        return p, cfg
+    if (p / "config.json").is_file() or not p.is_dir():    # an HF dir, a .gguf file or a hub id
+        return resolve_model(p), cfg
     ck = latest_checkpoint(p)
     if ck is None:
         raise SystemExit(f"--model {p}: neither an HF model dir (config.json) nor a run dir with a complete "
@@ -49,8 +50,8 @@ def decode(llm, prompts, params):
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", required=True, help="HF model dir or run dir (latest checkpoint)")
-    ap.add_argument("--task", choices=["synthetic", "gsm8k"], default=None, help="default: the run's task")
+    ap.add_argument("--model", required=True, help="HF model dir, .gguf file, hub id, or run dir (latest checkpoint)")
+    ap.add_argument("--task", choices=["synthetic", "gsm8k", "arith"], default=None, help="default: the run's task")
     ap.add_argument("--data", default=None, help="gsm8k: folder with test.jsonl, or the test.jsonl file")
     ap.add_argument("--n", type=int, default=256, help="test prompts")
     ap.add_argument("--k", type=int, default=4, help="samples per prompt for mean@k (0: skip)")
@@ -78,7 +79,7 @@ def main(argv=None) -> dict:
         data = Path(a.data) if a.data else (Path(cfg.task.data_path) if cfg and cfg.task.data_path else None)
         task = get_task("gsm8k", data_path=data.parent if data and data.is_file() else data)
     else:
-        task = task_from_config(cfg.task) if cfg and cfg.task.name == "synthetic" else get_task("synthetic")
+        task = task_from_config(cfg.task) if cfg and cfg.task.name == name else get_task(name)
     problems = task.test(a.n)
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     prompts = [format_prompt(tok, p.prompt) for p in problems]

@@ -53,7 +53,7 @@ class ModelConfig:
 
 @dataclass
 class TaskConfig:
-    name: str = "synthetic"             # synthetic | gsm8k
+    name: str = "synthetic"             # synthetic | gsm8k | arith (word problems, for real models)
     data_path: str | None = None        # gsm8k: folder with train/test.jsonl (null: $NANOSPEC_DATA or ../shared/data)
     seed: int = 0
     num_train: int = 4096               # size of the training prompt pool
@@ -64,16 +64,18 @@ class TaskConfig:
     modulus: int = 10
     test_fraction: float = 0.2
     final_weight: float = 0.5
+    format_credit: float = 0.1          # arith: reward for a wrong number stated after '####'
 
     def rules(self):
-        return [("name", self.name in ("synthetic", "gsm8k"), "one of synthetic, gsm8k"),
+        return [("name", self.name in ("synthetic", "gsm8k", "arith"), "one of synthetic, gsm8k, arith"),
                 *_pos(self, "num_train", "min_steps"),
                 ("num_test", self.num_test >= 0, ">= 0"),
                 ("max_steps", self.min_steps <= self.max_steps <= 26, "in [min_steps, 26]"),
                 ("zipf_alpha", self.zipf_alpha >= 0, ">= 0"),
                 ("modulus", 2 <= self.modulus <= 10, "in [2, 10]"),
                 ("test_fraction", 0 < self.test_fraction < 1, "in (0, 1)"),
-                ("final_weight", 0 <= self.final_weight <= 1, "in [0, 1]")]
+                ("final_weight", 0 <= self.final_weight <= 1, "in [0, 1]"),
+                ("format_credit", 0 <= self.format_credit < 1, "in [0, 1)")]
 
 
 @dataclass
@@ -137,12 +139,13 @@ class RolloutConfig:
     device: str = "cpu"                 # cpu | cuda | cuda:N
     max_num_seqs: int = 64
     block_size: int = 16
-    num_kv_blocks: int | None = None    # null: enough for max_num_seqs full-length sequences
+    num_kv_blocks: int | None = None    # null: from memory (kv_cache_gib on CPU, gpu_memory_utilization on GPU)
     max_num_batched_tokens: int | None = None
     prefix_caching: bool = True
     speculative: Any = None             # null | {method, num_draft_tokens, ...} | list of such dicts
     use_cuda_graphs: bool = False
     gpu_memory_utilization: float = 0.5
+    kv_cache_gib: float | None = None   # CPU KV pool in GiB (null: 2, at most 1/4 of available RAM)
 
     def rules(self):
         return [("dtype", self.dtype in ("float32", "bfloat16", "float16"), "one of float32, bfloat16, float16"),
@@ -153,6 +156,7 @@ class RolloutConfig:
                 ("use_cuda_graphs", not self.use_cuda_graphs or self.device.startswith("cuda"),
                  "false unless device is cuda (CUDA graphs need a GPU)"),
                 ("gpu_memory_utilization", 0 < self.gpu_memory_utilization <= 1, "in (0, 1]"),
+                ("kv_cache_gib", self.kv_cache_gib is None or self.kv_cache_gib > 0, "null or a size in GiB > 0"),
                 *_speculative_rules(self.speculative)]
 
 
@@ -349,9 +353,9 @@ def _cross_rules(cfg: Config):
              or cfg.grpo.max_completion_length >= 4 * cfg.task.max_steps + 3,
              f">= {4 * cfg.task.max_steps + 3}, the longest synthetic answer + eos (task.max_steps="
              f"{cfg.task.max_steps}): truncated answers can never be right"),
-            ("model.path", cfg.task.name != "gsm8k" or cfg.model.path is not None,
-             "an HF model directory (with its tokenizer) for task gsm8k: the embedded tokenizer only "
-             "covers the synthetic task")]
+            ("model.path", cfg.task.name == "synthetic" or cfg.model.path is not None,
+             f"an HF model directory (with its tokenizer) for task {cfg.task.name}: the embedded tokenizer "
+             f"only covers the synthetic task")]
 
 
 def load_config(path, overrides=()) -> Config:

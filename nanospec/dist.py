@@ -101,19 +101,25 @@ class DoneSignal:
             self.store.wait([self.key + "/all"])
 
 
-def all_reduce_grads(params: list) -> None:
-    """SUM every gradient over ranks through one flat buffer (exact; no-op without a process group)."""
+def all_reduce_grads(params: list, bucket_numel: int = 1 << 24) -> None:
+    """SUM every gradient over ranks (exact; no-op without a process group), a few large all_reduces
+    through flat buckets of <= `bucket_numel` elements (64 MiB in fp32, as DDP's buckets): few calls,
+    and never a second copy of the whole gradient (for a real model that is another copy of the weights)."""
     if not is_dist():
         return
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    flat = torch.cat([p.grad.flatten() for p in params])
-    torch.distributed.all_reduce(flat)
-    i = 0
-    for p in params:
-        p.grad.copy_(flat[i:i + p.numel()].view_as(p))
-        i += p.numel()
+    bucket, size = [], 0
+    for i, p in enumerate(params):
+        bucket.append(p)
+        size += p.numel()
+        if size >= bucket_numel or i == len(params) - 1:
+            flat = torch.cat([q.grad.flatten() for q in bucket])
+            torch.distributed.all_reduce(flat)
+            for q, g in zip(bucket, flat.split([q.numel() for q in bucket])):
+                q.grad.copy_(g.view_as(q))
+            bucket, size = [], 0
 
 
 def hash_seed(*parts) -> int:

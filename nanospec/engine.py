@@ -13,6 +13,7 @@ Rejected drafts are rolled back by shortening: num_computed = len - 1 and surplu
 from __future__ import annotations
 
 import copy
+import os
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -26,12 +27,38 @@ from .block_manager import BlockManager
 from .drafters.base import Drafter, Proposal
 from .drafters.chain import DEFAULT_DRAFT_TOKENS, make_drafter
 from .drafters.model_drafter import build_model_drafter
+from .hub import resolve_model
 from .loader import load_model, resolve_dtype
 from .model import CausalLM
 from .runner import Runner
 from .sampler import SamplingTensors
 from .scheduler import Scheduler
 from .sequence import SamplingParams, Sequence
+
+DEFAULT_CPU_KV_GIB = 2.0    # CPU KV pool when neither num_kv_blocks nor kv_cache_gib is given
+
+
+def kv_blocks_for_budget(model: CausalLM, block_size: int, gib: float | None = None) -> int:
+    """How many KV blocks fit in `gib` GiB of host memory (None: `DEFAULT_CPU_KV_GIB`, at most a quarter
+    of the memory available now, so that two ranks and their trainers still fit beside it)."""
+    from .cuda_graphs import kv_block_bytes
+    if gib is None:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        budget = min(DEFAULT_CPU_KV_GIB * 2**30, available / 4)
+    elif isinstance(gib, (int, float)) and gib > 0:
+        budget = gib * 2**30
+    else:
+        raise ValueError(f"kv_cache_gib must be a number > 0 or None, got {gib!r}")
+    return int(budget // kv_block_bytes(model, block_size))
+
+
+def chat_prompt_ids(tokenizer, conversation: list[dict], **template_kwargs) -> list[int]:
+    """Token ids of a conversation + the generation prompt, for any tokenizer with a chat template.
+    `template_kwargs` go to the template (e.g. `enable_thinking=False` for Qwen3)."""
+    rendered = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True,
+                                             **template_kwargs)
+    # The template already holds bos where the model wants one: never add special tokens twice.
+    return tokenizer.encode(rendered, add_special_tokens=False)
 
 
 @dataclass
@@ -51,11 +78,13 @@ class LLM:
                  max_num_seqs: int = 64, block_size: int = 16, num_kv_blocks: int | None = None,
                  max_model_len: int | None = None, max_num_batched_tokens: int | None = None,
                  speculative: dict | list | None = None, prefix_caching: bool = True, seed: int = 0,
-                 policy=None, use_cuda_graphs: bool = False, gpu_memory_utilization: float = 0.5):
+                 policy=None, use_cuda_graphs: bool = False, gpu_memory_utilization: float = 0.5,
+                 kv_cache_gib: float | None = None):
         if str(device).startswith("cuda") and not torch.cuda.is_available():
             raise RuntimeError(f"device={device!r} requested but torch.cuda.is_available() is False")
         self.model_path = None if isinstance(model, CausalLM) else str(model)
         if isinstance(model, (str, bytes)) or hasattr(model, "__fspath__"):
+            model = resolve_model(model)     # an HF dir, a .gguf file (converted once) or a hub id
             if tokenizer is None and any((Path(model) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
                 from transformers import AutoTokenizer
                 tokenizer = AutoTokenizer.from_pretrained(str(model))
@@ -71,12 +100,18 @@ class LLM:
             raise ValueError(f"block_size must be a power of 2, got {block_size}")
         blocks_per_seq = -(-self.max_model_len // block_size)
         specs = [s for s in (speculative if isinstance(speculative, list) else [speculative]) if isinstance(s, dict)]
-        if num_kv_blocks is None and self.model.model.embed_tokens.weight.is_cuda:
-            from .cuda_graphs import kv_blocks_for_memory
-            num_kv_blocks = kv_blocks_for_memory(self.model, block_size, gpu_memory_utilization)
+        if num_kv_blocks is None:
+            # the pool is sized from memory (GPU: a utilization share; CPU: a byte budget, as vLLM's
+            # VLLM_CPU_KVCACHE_SPACE), never from max_num_seqs x max_model_len alone: for a real model
+            # with an 8k context that product is tens of GiB. More than that product is never useful.
+            if self.model.model.embed_tokens.weight.is_cuda:
+                from .cuda_graphs import kv_blocks_for_memory
+                num_kv_blocks = kv_blocks_for_memory(self.model, block_size, gpu_memory_utilization)
+            else:
+                num_kv_blocks = kv_blocks_for_budget(self.model, block_size, kv_cache_gib)
             if any(s.get("method") in ("self", "draft_model") for s in specs):
                 num_kv_blocks //= 2     # a model drafter keeps a second cache over the same block ids
-        num_kv_blocks = num_kv_blocks or max_num_seqs * blocks_per_seq
+            num_kv_blocks = max(1, min(num_kv_blocks, max_num_seqs * blocks_per_seq))
         self.blocks = BlockManager(num_kv_blocks, block_size, prefix_caching)
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens or
                                    max(self.max_model_len, 4096))
@@ -116,9 +151,19 @@ class LLM:
             raise ValueError(f"request {i}: prompt has {len(ids)} tokens, max_model_len is {self.max_model_len}")
         return ids
 
+    def _check_fits(self, ids: list[int], params: SamplingParams, i: int) -> None:
+        """A request that could never fit the KV pool alone is refused up front, not mid-generation."""
+        need = min(len(ids) + params.max_tokens, self.max_model_len)
+        have = self.blocks.num_blocks * self.blocks.block_size
+        if need > have:
+            raise ValueError(f"request {i}: prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) needs "
+                             f"{need} KV slots, the pool holds {have}: raise kv_cache_gib / num_kv_blocks or "
+                             f"lower max_tokens")
+
     def add_request(self, prompt, params: SamplingParams, request_id: int = 0, prompt_key=None) -> list[Sequence]:
         params.validate(f"request {request_id}: SamplingParams")
         ids = self._tokenize(prompt, request_id)
+        self._check_fits(ids, params, request_id)
         seqs = []
         for j in range(params.n):
             gen = None if params.seed is None else torch.Generator().manual_seed(params.seed * 1_000_003 + j)
@@ -143,6 +188,8 @@ class LLM:
             prompts = [prompts]
         params.validate("SamplingParams")
         ids = [self._tokenize(p, i) for i, p in enumerate(prompts)]   # every request valid before any is queued
+        for i, p in enumerate(ids):
+            self._check_fits(p, params, i)
         seqs = []
         for i, p in enumerate(ids):
             seqs += self.add_request(p, params, i, None if prompt_keys is None else prompt_keys[i])
@@ -151,6 +198,17 @@ class LLM:
             bar.update(len(self.step()))
         bar.close()
         return [self.output(s) for s in seqs]
+
+    def chat(self, conversations, sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
+             **template_kwargs) -> list[RequestOutput]:
+        """vLLM's `LLM.chat`: one conversation (a list of {"role", "content"} dicts) or a list of them,
+        rendered by the tokenizer's chat template with the generation prompt, then `generate`."""
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("chat: the LLM's tokenizer has no chat template (pass token ids to generate)")
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        prompts = [chat_prompt_ids(self.tokenizer, c, **template_kwargs) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
 
     def output(self, seq: Sequence) -> RequestOutput:
         text = self.tokenizer.decode(seq.completion_token_ids, skip_special_tokens=True) if self.tokenizer else None
@@ -334,7 +392,8 @@ class LLM:
                 raise ValueError(f"load_weights: unexpected tensor {name!r}")
             if params[name].shape != t.shape:
                 raise ValueError(f"load_weights: {name!r} has shape {tuple(t.shape)}, expected {tuple(params[name].shape)}")
-            params[name].copy_(t)
+            if params[name].data_ptr() != t.data_ptr():    # a trainer sharing our tensors has nothing to copy
+                params[name].copy_(t)
         self.blocks.reset_prefix_cache()    # cached prompt KV was computed with the old weights
         if self.drafter is not None:
             self.drafter.refresh(self.model)

@@ -11,8 +11,9 @@ One step, on every rank (torch.distributed, gloo on CPU / nccl on GPU; world 1 w
     llm.load_weights         in-place copy into the engine's own model + drafter refresh ("weight sync")
     drafter health           self-drafter checksum; acceptance-collapse warning per drafter
     metrics.jsonl line (rank 0), checkpoint every run.save_every steps and at the end
-Why the engine holds a copy and not the policy itself: it may run in another dtype (bf16 rollouts,
-fp32 training), and a copy keeps the contract's weight-sync path (graphs, self-drafter) exercised.
+The engine shares the policy's tensors when it runs them as they are (fp32, no CUDA graphs): one copy
+of the weights in memory, and the weight sync is only the drafters' refresh. In another dtype (bf16
+rollouts, fp32 training) or under captured graphs it holds its own copy, synced in place.
 Old logprobs: without TIS, the engine's rollout logprobs; with TIS (tis_cap), the trainer's recompute,
 and the truncated ratio pi_old/pi_rollout reweights each token (verl / TRL vllm_importance_sampling).
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import resource
 import shutil
 import statistics
 import time
@@ -29,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.utils.checkpoint
 from tqdm.auto import tqdm
 
 from . import dist
@@ -38,17 +41,21 @@ from .config import config_to_dict, save_config, validate_world
 from .dist import all_reduce_grads, hash_seed
 from .drafters.chain import find_drafter, members
 from .engine import LLM
+from .hub import resolve_model
 from .loader import load_model
+from .model import drop_packed_weights
 from .loss import group_advantages, logprob_mismatch, policy_loss, tis_weights, token_logprobs
 from .policies import build_policy
 from .report import headline, load_metrics
 from .rollout import RolloutWorker, Sample
 from .sequence import SamplingParams
 from .sft import prepare_sft_model
-from .tasks import task_from_config
+from .tasks import format_prompt, task_from_config
 
 
-MICROBATCH_TOKENS = 2048   # padded tokens per forward/backward on the trainer side
+MICROBATCH_TOKENS = 1024   # padded tokens per forward/backward on the trainer side (a real 135M model:
+                           # ~0.6 GB of activations)
+LOGIT_CHUNK = 512          # completion tokens whose [*, vocab] logits exist at once
 
 
 @dataclass
@@ -96,10 +103,22 @@ def micro_batches(samples: list[Sample], accumulation_steps: int, max_tokens: in
 
 
 def completion_logprobs(model, mb: MicroBatch, temperature: float) -> torch.Tensor:
-    """Plain causal forward -> log softmax(logits / T)[token] at each completion position [B, T]."""
+    """Plain causal forward -> log softmax(logits / T)[token] at each completion position [B, T].
+
+    The [tokens, vocab] logits are the largest tensor of a step (a real 49k vocabulary: 200 KB per
+    token in fp32, more than the whole decoder's activations), so they exist one chunk of
+    LOGIT_CHUNK tokens at a time: with grad on, each chunk is checkpointed (only its hidden states are
+    kept; backward recomputes its logits), so peak memory does not grow with the batch."""
     hidden = model(mb.ids)                                                        # [B, L, D]
     h = hidden.gather(1, mb.pos.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))   # [B, T, D]
-    return token_logprobs(model.logits(h), mb.tokens, temperature)
+    B, T, D = h.shape
+    h, tokens = h.reshape(1, B * T, D), mb.tokens.reshape(1, B * T)
+    chunk = lambda h, t: token_logprobs(model.logits(h), t, temperature)         # [1, n]
+    out = [torch.utils.checkpoint.checkpoint(chunk, h[:, i:i + LOGIT_CHUNK], tokens[:, i:i + LOGIT_CHUNK],
+                                             use_reentrant=False) if torch.is_grad_enabled()
+           else chunk(h[:, i:i + LOGIT_CHUNK], tokens[:, i:i + LOGIT_CHUNK])
+           for i in range(0, B * T, LOGIT_CHUNK)]
+    return torch.cat(out, 1).view(B, T)
 
 
 class DrafterMonitor:
@@ -145,19 +164,28 @@ class Trainer:
         self.log = log if self.rank == 0 else (lambda *a, **k: None)
         self.run_dir = Path(cfg.run.out_dir)
         self.task = task_from_config(cfg.task)
-        self.init_path = cfg.model.path or prepare_sft_model(cfg, self.log)
+        self.init_path = self._model_dir() if cfg.model.path else prepare_sft_model(cfg, self.log)
         from transformers import AutoTokenizer
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.init_path))
         dev = cfg.rollout.device
         self.policy = load_model(self.init_path, "float32", dev).train()
         self.device = self.policy.lm_head.weight.device
         self.ref = load_model(self.init_path, "float32", dev).requires_grad_(False) if g.beta > 0 else None
+        self.pool = self.task.train(cfg.task.num_train)
+        self.test_set = self.task.test(cfg.task.num_test) if cfg.task.num_test else []
+        # the longest sequence a rollout can make bounds the engine's length, and so its KV pool
+        longest = max(len(format_prompt(self.tokenizer, p.prompt)) for p in self.pool + self.test_set)
+        max_len = longest + g.max_completion_length + 1
         r = cfg.rollout
-        self.llm = LLM(load_model(self.init_path, r.dtype, dev), self.tokenizer, dtype=r.dtype, device=dev,
+        # fp32 rollouts share the policy's tensors (one copy of the weights; the optimizer's in-place
+        # updates are what the engine reads next step); another dtype needs the engine's own copy
+        shared = r.dtype == "float32" and not r.use_cuda_graphs
+        self.llm = LLM(self.policy if shared else load_model(self.init_path, r.dtype, dev), self.tokenizer,
+                       dtype=r.dtype, device=dev,
                        max_num_seqs=r.max_num_seqs, block_size=r.block_size, num_kv_blocks=r.num_kv_blocks,
-                       max_num_batched_tokens=r.max_num_batched_tokens, speculative=r.speculative,
+                       max_model_len=max_len, max_num_batched_tokens=r.max_num_batched_tokens, speculative=r.speculative,
                        prefix_caching=r.prefix_caching, seed=cfg.run.seed + self.rank, use_cuda_graphs=r.use_cuda_graphs,
-                       gpu_memory_utilization=r.gpu_memory_utilization)
+                       gpu_memory_utilization=r.gpu_memory_utilization, kv_cache_gib=r.kv_cache_gib)
         self.llm.policy = build_policy(cfg.policies, self.llm)
         if self.llm.policy is not None and self.llm.policy.classes is not None:
             c = self.llm.policy.classes
@@ -167,11 +195,22 @@ class Trainer:
         self.worker = RolloutWorker(self.llm, self.tokenizer, cfg, self.rank, self.world)
         self.opt = torch.optim.AdamW(self.policy.parameters(), lr=g.learning_rate, weight_decay=g.weight_decay)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: min(1.0, (s + 1) / (g.warmup_steps + 1)))
-        self.pool = self.task.train(cfg.task.num_train)
-        self.test_set = self.task.test(cfg.task.num_test) if cfg.task.num_test else []
         self.monitor, self.step, self.eval_before, self._perms = DrafterMonitor(), 0, None, {}
         if cfg.run.resume:
             self._resume()
+
+    def _model_dir(self) -> Path:
+        """model.path as a directory; rank 0 converts a .gguf first (once), every rank raises its error."""
+        err = None
+        if self.rank == 0:
+            try:
+                resolve_model(self.cfg.model.path, self.log)
+            except Exception as e:
+                err = e
+        err = dist.all_gather_object(err)[0]
+        if err is not None:
+            raise err
+        return resolve_model(self.cfg.model.path, log=lambda *a: None)
 
     # ---- data: a pure function of (seed, step) -------------------------------------------------
     def problems(self, step: int) -> list:
@@ -207,6 +246,7 @@ class Trainer:
                for idx in micro_batches(samples, g.gradient_accumulation_steps)]
         counts = torch.tensor([len(samples), sum(float(mb.mask.sum()) for mb in mbs)], dtype=torch.float64)
         n_seqs, n_toks = (int(x) for x in self._all_reduce(counts).tolist())
+        drop_packed_weights(self.policy)    # the engine's prepacked copies go stale with this update
         old, ref, agg, losses, norms = [], [], defaultdict(float), [], []
         for it in range(g.num_iterations):
             self.opt.zero_grad(set_to_none=True)
@@ -284,8 +324,10 @@ class Trainer:
         t_roll = time.perf_counter() - t0
         rec = self.learn(samples)
         t_sync = self.sync_weights()
-        recs = dist.all_gather_object(dict(rec, rollout_time=t_roll))
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20     # KiB on Linux -> GiB
+        recs = dist.all_gather_object(dict(rec, rollout_time=t_roll, peak_rss=rss))
         m.update(self._merge(recs), step=step, time_weight_sync=t_sync, lr=self.sched.get_last_lr()[0],
+                 rank_peak_rss_gib=[r["peak_rss"] for r in recs],
                  rank_train_time=[r["time"] for r in recs], time_train=max(r["time"] for r in recs),
                  rank_rollout_time=[r["rollout_time"] for r in recs])
         self.drafter_health(m)

@@ -140,6 +140,13 @@ class _Packed:
 PACK = torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
 
 
+def drop_packed_weights(model: nn.Module) -> None:
+    """Free the prepacked copies (rebuilt on the next engine step): a trainer that updates the weights
+    the engine shares frees them before its backward, so the peak holds one copy of the weights."""
+    for m in model.modules():
+        m.__dict__.pop("_pack", None)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()

@@ -251,8 +251,20 @@ def test_load_weights_in_place_and_no_stale_prefix_cache(models, tiny_models):
 
 def test_kv_pool_too_small_for_one_sequence_is_a_clear_error(models):
     llm = LLM(models["llama"], block_size=4, num_kv_blocks=2, max_model_len=64)
-    with pytest.raises(RuntimeError, match="KV cache too small"):
+    with pytest.raises(ValueError, match=r"request 0: prompt \(12 tokens\) \+ max_tokens \(12\) needs 24 KV slots, "
+                                         r"the pool holds 8"):
         llm.generate([[1] * 12], GREEDY, use_tqdm=False)
+    assert not llm.scheduler.has_work()      # refused up front: nothing queued, nothing half-generated
+
+
+def test_cpu_kv_pool_comes_from_a_byte_budget(models):
+    from nanospec.cuda_graphs import kv_block_bytes
+    big = LLM(models["llama"], block_size=16, max_num_seqs=64)          # max_model_len 256: 64 x 16 blocks
+    assert big.blocks.num_blocks == 64 * 16                              # the budget is not the limit here
+    small = LLM(models["llama"], block_size=16, max_num_seqs=64, kv_cache_gib=0.001)
+    assert small.blocks.num_blocks == int(0.001 * 2**30 // kv_block_bytes(small.model, 16)) < 64 * 16
+    with pytest.raises(ValueError, match="kv_cache_gib must be a number > 0"):
+        LLM(models["llama"], kv_cache_gib=-1)
 
 
 @pytest.mark.parametrize("P", [8, 11])

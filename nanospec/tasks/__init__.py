@@ -7,17 +7,19 @@
 Prompts become token ids with `format_prompt(tokenizer, problem.prompt)` (chat template + generation
 prompt); completions are scored after `tokenizer.decode(ids, skip_special_tokens=True)`.
 """
+from .arith import ArithTask
 from .gsm8k import GSM8KTask
 from .synthetic import Problem, SyntheticTask
 from .tokenizer import build_tiny_vocab_tokenizer, build_tokenizer, format_prompt
 
-TASKS = {"synthetic": SyntheticTask, "gsm8k": GSM8KTask}
+TASKS = {"synthetic": SyntheticTask, "gsm8k": GSM8KTask, "arith": ArithTask}
 _KNOBS = {"synthetic": ("seed", "min_steps", "max_steps", "zipf_alpha", "modulus", "test_fraction", "final_weight"),
-          "gsm8k": ("seed", "data_path")}
+          "gsm8k": ("seed", "data_path"),
+          "arith": ("seed", "min_steps", "max_steps", "zipf_alpha", "test_fraction", "format_credit")}
 
 
 def get_task(name: str, **kw):
-    """A task by name: "synthetic" (SyntheticTask kwargs) or "gsm8k" (GSM8KTask kwargs)."""
+    """A task by name: "synthetic", "gsm8k" or "arith" (the class's keyword arguments)."""
     if name not in TASKS:
         raise ValueError(f"task.name: unknown task {name!r}; expected one of {sorted(TASKS)}")
     return TASKS[name](**kw)
@@ -28,5 +30,5 @@ def task_from_config(tc):
     return get_task(tc.name, **{k: getattr(tc, k) for k in _KNOBS.get(tc.name, ())})
 
 
-__all__ = ["Problem", "SyntheticTask", "GSM8KTask", "get_task", "task_from_config", "build_tokenizer",
+__all__ = ["Problem", "SyntheticTask", "GSM8KTask", "ArithTask", "get_task", "task_from_config", "build_tokenizer",
            "build_tiny_vocab_tokenizer", "format_prompt", "TASKS"]

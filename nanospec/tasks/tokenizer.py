@@ -51,10 +51,6 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def format_prompt(tokenizer, text: str, **template_kwargs) -> list[int]:
-    """Token ids of one user turn + the generation prompt, for any tokenizer with a chat template.
-
-    `template_kwargs` go to the template (e.g. `enable_thinking=False` for Qwen3)."""
-    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                             add_generation_prompt=True, **template_kwargs)
-    # The template already holds bos (ours) or needs none (Qwen3): never add special tokens twice.
-    return tokenizer.encode(rendered, add_special_tokens=False)
+    """Token ids of one user turn + the generation prompt (what `LLM.chat` feeds for that turn)."""
+    from ..engine import chat_prompt_ids
+    return chat_prompt_ids(tokenizer, [{"role": "user", "content": text}], **template_kwargs)

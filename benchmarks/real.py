@@ -1,0 +1,157 @@
+"""A real pretrained model (SmolLM2-135M-Instruct, `python -m nanospec.hub smollm2`), as users run it.
+
+    python bench.py --suite real [--prompts 1] [--G 8] [--max-tokens 128] [--history 0,1,5]
+
+1. Engine vs `transformers.generate`: greedy, EOS ignored, batch 1 / 16 / 64, median of --repeats
+   interleaved runs (the `engine` suite's method, on the real model).
+2. Every drafter vs AR on GSM8K rollouts: P test prompts x G samples at T=1, as a GRPO step makes them.
+   Each variant is a fresh engine over the one shared model; all variants make passes 0..max(history)
+   over the same prompts with new seeds each pass, interleaved pass by pass, and the passes listed in
+   --history are timed: there the drafters have seen that many earlier rollouts of these prompts (the
+   prior-rollout store, the suffix trees), as they would after that many GRPO epochs. `+policies` rows
+   run the trainer's controller (cost-model toggle, per-token trimming, draft-length ladder; the
+   `policies` config defaults); next to each row's measured speedup stands the toggle's verdict (the
+   fraction of its decisions that speculated, and its mean predicted speedup). The draft model is the
+   policy's first `--draft-layers` layers (same tokenizer; no smaller SmolLM2 is reachable here).
+3. Peak RSS of the whole run.
+Samples differ between variants (same distribution, other draws): speedup compares tokens/s.
+"""
+import argparse
+import resource
+import statistics
+import tempfile
+import time
+
+import torch
+
+from nanospec import LLM, SamplingParams
+
+PRIOR, SUFFIX = {"method": "prior", "num_draft_tokens": 8}, {"method": "suffix", "num_draft_tokens": 8}
+DRAFTERS = [("ngram", {"method": "ngram", "num_draft_tokens": 8}), ("suffix", SUFFIX), ("prior", PRIOR),
+            ("prior+suffix", [PRIOR, SUFFIX]), ("self (nf4)", {"method": "self", "num_draft_tokens": 4}),
+            ("draft model", {"method": "draft_model", "num_draft_tokens": 4})]
+PLAIN = ("ngram", "suffix", "prior+suffix")     # also measured without the controller
+
+
+def engine_vs_transformers(model_dir, model, batches, max_tokens, repeats) -> list[dict]:
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    llm = LLM(model, max_num_seqs=max(batches), kv_cache_gib=0.5)
+    rows = []
+    for batch in batches:
+        g = torch.Generator().manual_seed(batch)
+        prompts = [torch.randint(100, 40000, (int(n),), generator=g).tolist()
+                   for n in torch.randint(32, 96, (batch,), generator=g)]
+        sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        width = max(map(len, prompts))
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        run = {"nanospec": lambda: llm.generate(prompts, sp, use_tqdm=False),
+               "transformers": lambda: hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens,
+                                                   min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)}
+        times = {k: [] for k in run}
+        for rep in range(repeats + 1):                  # the first round is a warm-up
+            for name, fn in run.items():
+                t0 = time.perf_counter()
+                with torch.inference_mode():
+                    fn()
+                if rep:
+                    times[name].append(time.perf_counter() - t0)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        for name in ("transformers", "nanospec"):
+            rows.append(dict(name=f"engine: {name} b{batch}", batch=batch, seconds=med[name],
+                             tokens_per_s=batch * max_tokens / med[name],
+                             speedup=med["transformers"] / med[name], lossy=False))
+    return rows
+
+
+def truncated_draft(model_dir, layers: int, out: str) -> str:
+    """The policy's first `layers` decoder layers + its final norm and head: a cheap same-vocab draft."""
+    from nanospec.loader import load_model, save_model
+    m = load_model(model_dir)
+    m.model.layers = m.model.layers[:layers]
+    m.args.num_layers = layers
+    from transformers import AutoTokenizer
+    save_model(m, out, AutoTokenizer.from_pretrained(model_dir))
+    return out
+
+
+def rollouts(model_dir, model, tok, opts, workdir) -> list[dict]:
+    from nanospec.config import PoliciesConfig
+    from nanospec.policies import build_policy
+    from nanospec.tasks import format_prompt, get_task
+    problems = get_task("gsm8k").test(opts.prompts)
+    prompts = [format_prompt(tok, p.prompt) for p in problems]
+    draft = truncated_draft(model_dir, opts.draft_layers, f"{workdir}/draft")
+    variants = [("AR", None, False)] + [(f"{n} +policies", s, True) for n, s in DRAFTERS] + \
+               [(n, s, False) for n, s in DRAFTERS if n in PLAIN]
+    engines = {}
+    for name, spec, policies in variants:
+        if isinstance(spec, dict) and spec["method"] == "draft_model":
+            spec = dict(spec, model=draft)
+        llm = LLM(model, tok, max_num_seqs=len(prompts) * opts.G, speculative=spec, kv_cache_gib=0.25)
+        if policies:
+            llm.policy = build_policy(PoliciesConfig(bubble_drafting=False, length_aware_assignment=False,
+                                                     length_classes=[]), llm)
+        engines[name] = llm
+    timed = sorted(opts.history)
+    acc = {(name, h): [0.0, 0] for name in engines for h in timed}
+    keys = list(range(len(prompts)))
+    for p in range(max(timed) + 1):          # pass p: the drafters have seen p earlier rollouts
+        params = SamplingParams(temperature=1.0, max_tokens=opts.max_tokens, n=opts.G, seed=100 + p)
+        for name, llm in engines.items():
+            if llm.drafter is not None:
+                llm.drafter.next_step()
+            llm.reset_stats()
+            if llm.policy is not None:
+                llm.policy.reset_stats()
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts, params, use_tqdm=False, prompt_keys=keys)
+            if p in timed:
+                acc[name, p] = [time.perf_counter() - t0, sum(len(o.token_ids) for o in outs),
+                                llm.summary(), llm.policy.stats() if llm.policy is not None else {}]
+    rows = []
+    for h in timed:
+        base = acc["AR", h][1] / acc["AR", h][0]
+        for name, llm in engines.items():
+            seconds, tokens, s, ps = acc[name, h]
+            spec = llm.drafter is not None
+            rows.append(dict(name=f"h{h}: {name}", history=h, tokens=tokens, seconds=seconds,
+                             tokens_per_s=tokens / seconds, speedup=tokens / seconds / base,
+                             target_forwards_per_token=s["target_forwards_per_token"],
+                             acceptance_rate=s["acceptance_rate"] if spec else None,
+                             toggle_on=ps.get("toggle_on_fraction"),
+                             toggle_predicted=ps.get("toggle_mean_predicted_speedup"),
+                             spec_on_frac=ps.get("spec_on_frac"), lossy=s["lossy"]))
+    return rows
+
+
+def run(args) -> list[dict]:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct (fetched once)")
+    ap.add_argument("--prompts", type=int, default=1)
+    ap.add_argument("--G", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--history", default="0,1,5", help="timed passes: earlier rollouts the drafters have seen")
+    ap.add_argument("--batches", default="1,16,64")
+    ap.add_argument("--engine-tokens", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--draft-layers", type=int, default=6)
+    opts, _ = ap.parse_known_args(args.extra)
+    opts.history = [int(x) for x in opts.history.split(",")]
+    if args.quick:
+        opts.history, opts.max_tokens, opts.G, opts.repeats, opts.batches = [0, 1], 32, 4, 1, "1,4"
+    from transformers import AutoTokenizer
+    from nanospec.hub import fetch_smollm2, resolve_model
+    from nanospec.loader import load_model
+    model_dir = str(resolve_model(opts.model) if opts.model else fetch_smollm2())
+    model, tok = load_model(model_dir), AutoTokenizer.from_pretrained(model_dir)
+    rows = engine_vs_transformers(model_dir, model, [int(b) for b in opts.batches.split(",")],
+                                  opts.engine_tokens, opts.repeats)
+    with tempfile.TemporaryDirectory() as workdir:
+        rows += rollouts(model_dir, model, tok, opts, workdir)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    print(f"real suite: peak RSS {rss:.2f} GiB ({model_dir})")
+    for r in rows:
+        r["peak_rss_gib"] = rss
+    return rows
