@@ -85,6 +85,8 @@ def rollouts(model_dir, model, tok, opts, workdir) -> list[dict]:
     draft = truncated_draft(model_dir, opts.draft_layers, f"{workdir}/draft")
     variants = [("AR", None, False)] + [(f"{n} +policies", s, True) for n, s in DRAFTERS] + \
                [(n, s, False) for n, s in DRAFTERS if n in PLAIN]
+    if opts.only:                                   # AR, the baseline, always runs
+        variants = [v for v in variants if v[0] == "AR" or v[0] in opts.only.split(",")]
     engines = {}
     for name, spec, policies in variants:
         if isinstance(spec, dict) and spec["method"] == "draft_model":
@@ -137,6 +139,8 @@ def run(args) -> list[dict]:
     ap.add_argument("--engine-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--draft-layers", type=int, default=6)
+    ap.add_argument("--only", default=None, help="comma-separated rollout variant names (default: all)")
+    ap.add_argument("--skip-engine", action="store_true", help="only the rollout table")
     opts, _ = ap.parse_known_args(args.extra)
     opts.history = [int(x) for x in opts.history.split(",")]
     if args.quick:
@@ -146,8 +150,8 @@ def run(args) -> list[dict]:
     from nanospec.loader import load_model
     model_dir = str(resolve_model(opts.model) if opts.model else fetch_smollm2())
     model, tok = load_model(model_dir), AutoTokenizer.from_pretrained(model_dir)
-    rows = engine_vs_transformers(model_dir, model, [int(b) for b in opts.batches.split(",")],
-                                  opts.engine_tokens, opts.repeats)
+    rows = [] if opts.skip_engine else engine_vs_transformers(
+        model_dir, model, [int(b) for b in opts.batches.split(",")], opts.engine_tokens, opts.repeats)
     with tempfile.TemporaryDirectory() as workdir:
         rows += rollouts(model_dir, model, tok, opts, workdir)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20

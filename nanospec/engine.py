@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 from . import speculative
 from .block_manager import BlockManager
 from .drafters.base import Drafter, Proposal
-from .drafters.chain import DEFAULT_DRAFT_TOKENS, make_drafter
+from .drafters.chain import DEFAULT_DRAFT_TOKENS, make_drafter, members
 from .drafters.model_drafter import build_model_drafter
 from .hub import resolve_model
 from .loader import load_model, resolve_dtype
@@ -161,6 +161,8 @@ class LLM:
                              f"lower max_tokens")
 
     def add_request(self, prompt, params: SamplingParams, request_id: int = 0, prompt_key=None) -> list[Sequence]:
+        if self.runner.cache is None:
+            raise RuntimeError("the engine is asleep (LLM.sleep freed its KV pool): call wake_up() first")
         params.validate(f"request {request_id}: SamplingParams")
         ids = self._tokenize(prompt, request_id)
         self._check_fits(ids, params, request_id)
@@ -359,6 +361,23 @@ class LLM:
         if s.num_completion_tokens >= s.params.max_tokens or len(s) >= self.max_model_len:
             return "length"
         return None
+
+    # ---- memory between rollouts -----------------------------------------------------------------
+    def sleep(self) -> None:
+        """Free the KV pool while the engine is idle (vLLM's sleep mode, for the cache): a trainer on the
+        same machine gets that memory for its backward. `wake_up()` before the next request."""
+        if self.scheduler.has_work():
+            raise RuntimeError("sleep: requests are still running; finish or abort them first")
+        self.blocks.reset_prefix_cache()     # the cached prompt KV goes with the pool
+        for r in self._runners():
+            r.sleep()
+
+    def wake_up(self) -> None:
+        for r in self._runners():
+            r.wake_up()
+
+    def _runners(self) -> list:
+        return [self.runner] + [d.runner for d in members(self.drafter) if d.needs_kv]
 
     # ---- stats and weights ----------------------------------------------------------------------
     def _count(self, source: str, proposed: int, accepted: int, confidence=None) -> None:

@@ -322,8 +322,12 @@ class Trainer:
         self._reseed(step)
         samples, m = self.worker.run(step, self.problems(step), self.problems(step + 1))
         t_roll = time.perf_counter() - t0
+        if self.device.type == "cpu":    # one host RAM: the KV pool's memory serves the backward
+            self.llm.sleep()
         rec = self.learn(samples)
+        self.opt.zero_grad(set_to_none=True)     # no gradient memory held through the next rollout
         t_sync = self.sync_weights()
+        self.llm.wake_up()
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20     # KiB on Linux -> GiB
         recs = dist.all_gather_object(dict(rec, rollout_time=t_roll, peak_rss=rss))
         m.update(self._merge(recs), step=step, time_weight_sync=t_sync, lr=self.sched.get_last_lr()[0],

@@ -498,7 +498,7 @@ class SpeculationPolicy:
     def __init__(self, *, ladder: DraftLengthLadder | None = None, classes: LengthClasses | None = None,
                  toggle: SpeculationToggle | None = None, default_alpha: float = 0.8, probe_every: int = 16,
                  probe_every_max: int = 256, probe_rows: int = 4, sources: Sequence[str] = (),
-                 confident_sources: Sequence[str] = ()):
+                 confident_sources: Sequence[str] = (), kv_sources: Sequence[str] = ()):
         _check(_is_int(probe_every) and 1 <= probe_every <= probe_every_max, "probe_every",
                f"an int in [1, probe_every_max={probe_every_max}]", probe_every)
         _check(_is_int(probe_rows) and probe_rows >= 1, "probe_rows", "an int >= 1", probe_rows)
@@ -507,6 +507,7 @@ class SpeculationPolicy:
         self.probe_rows = probe_rows
         self.sources = list(sources)   # the drafter's source names (Drafter.sources); more are learned
         self.confident = set(confident_sources)   # sources whose proposals carry per-token confidence
+        self.kv_sources = set(kv_sources)          # sources that keep their own KV (catch up before drafting)
         self.calibration = ConfidenceCalibration()
         self.draft_time = None      # EMA seconds of propose() per sequence (drafting is per row)
         self._tally: dict[str, list[float]] = {}    # no ladder: per source recent accepted, rejections
@@ -564,7 +565,26 @@ class SpeculationPolicy:
             # draft no further than the longest length any source will use (0: nothing pays or probes)
             cap = max(self._rung(n, max_k) if v is None else v for n, v in self._pays.items())
             ks = [min(k, cap) for k in ks]
+            if cap and not any(self._pays.values()):
+                ks = self._probe_rows(seqs, ks, cap)
         return ks
+
+    def _probe_rows(self, seqs, ks, cap: int) -> list[int]:
+        """A probe step and nothing else: only `probe_rows` rows draft. A drafter with its own KV (self,
+        draft model) first catches up on every token since it last drafted for a row: a forward over
+        all of them, as costly as the target's, which no probe can win back. So while such a drafter
+        is probed, only rows it is (nearly) current on may draft -- fresh rows, whose prompt it saw at
+        the prefill -- and without any the probe waits for the next fresh request."""
+        probing = [n for n, v in self._pays.items() if v is None]
+        lag = lambda i: len(seqs[i]) - seqs[i].num_draft_computed
+        rows = sorted(range(len(seqs)), key=lag)
+        if any(n in self.kv_sources for n in probing):
+            rows = [i for i in rows if lag(i) <= cap + 1]
+            if not rows:
+                for n in probing:           # postponed, not skipped: probe at the next chance
+                    self._gap[n][0] = self._gap[n][1]
+        keep = set(rows[:self.probe_rows])
+        return [k if i in keep else 0 for i, k in enumerate(ks)]
 
     def clip(self, proposal, budgets, seqs):
         """Cut row i to min(budget, its source's rung, the toggle's cost-optimal length), or to 0 when
@@ -677,4 +697,5 @@ def build_policy(cfg, llm) -> SpeculationPolicy | None:
     from .drafters.chain import members
     return SpeculationPolicy(ladder=ladder, classes=classes, toggle=toggle,
                              sources=llm.drafter.sources if llm.drafter is not None else (),
-                             confident_sources=[n for d in members(llm.drafter) if d.confident for n in d.sources])
+                             confident_sources=[n for d in members(llm.drafter) if d.confident for n in d.sources],
+                             kv_sources=[n for d in members(llm.drafter) if d.needs_kv for n in d.sources])

@@ -22,6 +22,14 @@ class Runner:
         self.cache = model.new_kv_cache(num_blocks, block_size)
         self.device = self.cache.device
 
+    def sleep(self) -> None:
+        """Free the KV cache tensor (`LLM.sleep`); `wake_up` allocates a fresh, zeroed one."""
+        self.cache = None
+
+    def wake_up(self) -> None:
+        if self.cache is None:
+            self.cache = self.model.new_kv_cache(self.null_block, self.block_size)
+
     def host_rows(self, seqs: list[Sequence], tokens: list[list[int]], starts: list[int], Q: int,
                   nb: int) -> list[list[int]]:
         """Row b, built on the host for one H2D copy: ids | positions | slots (Q each) | block table (nb).

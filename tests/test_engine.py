@@ -582,3 +582,20 @@ def test_abort_frees_blocks_and_leaves_others_unchanged(models, spec):
     if spec is None:
         assert out.token_ids == ref[2].token_ids[:len(out.token_ids)]
     assert llm.output(waiting_victim).token_ids == []
+
+
+def test_sleep_frees_the_kv_pool_and_wake_up_restores_it(models):
+    """A colocated trainer frees the pool for its backward (LLM.sleep); outputs do not change."""
+    prompts = ragged_prompts(3, seed=5)
+    llm = LLM(models["llama"], block_size=4, max_model_len=64)
+    before = llm.generate(prompts, GREEDY, use_tqdm=False)
+    llm.sleep()
+    assert llm.runner.cache is None and not llm.blocks.hash_to_block
+    with pytest.raises(RuntimeError, match="asleep"):
+        llm.generate(prompts, GREEDY, use_tqdm=False)
+    llm.wake_up()
+    after = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in after] == [o.token_ids for o in before]
+    llm.add_request(prompts[0], GREEDY)
+    with pytest.raises(RuntimeError, match="still running"):
+        llm.sleep()

@@ -14,13 +14,11 @@ import torch
 from scipy.stats import chisquare
 
 from conftest import make_hf_model
-from nanospec import sampler
 from nanospec.drafters.base import Drafter, Proposal
 from nanospec.drafters.chain import ChainDrafter, find_drafter
 from nanospec.drafters.prior import PriorRolloutDrafter
 from nanospec.engine import LLM
 from nanospec.loader import load_model
-from nanospec.sampler import SamplingTensors
 from nanospec.sequence import SamplingParams
 
 ATOL = 1e-4
@@ -240,6 +238,8 @@ V, EOS, MAX_TOKENS, N = 8, 7, 4, 20_000
 PROMPT = [1, 2, 3, 1, 2]
 TEMP1 = SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS)
 FILTERED = SamplingParams(temperature=0.9, top_k=5, top_p=0.85, max_tokens=MAX_TOKENS)
+TEMP07 = SamplingParams(temperature=0.7, max_tokens=MAX_TOKENS)
+PARAMS = {"temp1": TEMP1, "filtered": FILTERED, "temp07": TEMP07}
 
 
 @pytest.fixture(scope="module")
@@ -249,16 +249,38 @@ def v8(tmp_path_factory):
     return load_model(path)
 
 
-def exact_distribution(model, params):
-    """{continuation tuple: probability} by enumerating every prefix (sampler.probs = plain AR)."""
+def reference_probs(logits: torch.Tensor, params: SamplingParams, swap_filters: bool = False) -> torch.Tensor:
+    """The sampling distribution written out here, independent of nanospec.sampler: softmax(logits / T)
+    after top-k (the k largest logits) and then top-p over the renormalised survivors (the smallest head,
+    in descending order, whose mass reaches top_p: a token is kept while the mass ranked above it is
+    < top_p) -- the HF / vLLM order. `swap_filters` applies top-p first: the bug the suite must catch."""
+    x = logits.double() / params.temperature                                    # [n, V]
+
+    def top_k(x):
+        if params.top_k <= 0:
+            return x
+        return x.masked_fill(x < x.topk(params.top_k, -1).values[:, -1:], float("-inf"))
+
+    def top_p(x):
+        if params.top_p >= 1:
+            return x
+        p_sorted, order = x.softmax(-1).sort(-1, descending=True)
+        keep_sorted = p_sorted.cumsum(-1) - p_sorted < params.top_p
+        return x.masked_fill(~torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted), float("-inf"))
+
+    return (top_k(top_p(x)) if swap_filters else top_p(top_k(x))).softmax(-1)
+
+
+def exact_distribution(model, params, swap_filters=False):
+    """{continuation tuple: probability} by enumerating every prefix from the model's logits, with the
+    sampling distribution of `reference_probs` (not the engine's sampler: the code under test)."""
     dist, frontier = {}, {(): 1.0}
     with torch.inference_mode():
         for depth in range(MAX_TOKENS):
             prefixes = list(frontier)
             ids = torch.tensor([PROMPT + list(c) for c in prefixes])
-            logits = model.logits(model(ids))[:, -1:]                              # [n, 1, V]
-            st = SamplingTensors.from_params([params] * len(prefixes), V, "cpu")
-            p = sampler.probs(logits, st)[:, 0].double().numpy()
+            logits = model.logits(model(ids))[:, -1]                               # [n, V]
+            p = reference_probs(logits, params, swap_filters).numpy()
             nxt = {}
             for c, row in zip(prefixes, p):
                 for t in np.nonzero(row)[0]:
@@ -274,7 +296,18 @@ def exact_distribution(model, params):
 
 @pytest.fixture(scope="module")
 def exact(v8):
-    return {"temp1": exact_distribution(v8, TEMP1), "filtered": exact_distribution(v8, FILTERED)}
+    return {"temp1": exact_distribution(v8, TEMP1), "filtered": exact_distribution(v8, FILTERED),
+            "temp07": exact_distribution(v8, TEMP07)}
+
+
+def test_reference_tells_the_filter_order_apart(v8, exact):
+    """top-p before top-k is another distribution here, far beyond sampling noise: a sampler that swapped
+    the order fails test_plain_sampling_matches_enumeration[filtered] and every filtered case below."""
+    swapped = exact_distribution(v8, FILTERED, swap_filters=True)
+    ref = exact["filtered"]
+    tv = 0.5 * sum(abs(ref.get(c, 0.0) - swapped.get(c, 0.0)) for c in set(ref) | set(swapped))
+    floor, sd = tv_noise(ref, N)
+    assert tv > floor + 20 * sd, (tv, floor, sd)
 
 
 def chi2(samples, dist):
@@ -392,8 +425,29 @@ def test_speculative_sampling_is_exact_on_cuda_graphs(v8, exact, case, key):
     _exact_case(copy.deepcopy(v8).cuda(), exact, case, key, device="cuda", use_cuda_graphs=True)
 
 
+@pytest.fixture(scope="module")
+def v8_draft(tmp_path_factory):
+    """Another random vocab-8 model: a draft model whose q is far from the target's p."""
+    path, _ = make_hf_model(tmp_path_factory.mktemp("v8draft"), "llama", vocab_size=V, hidden_size=32,
+                            eos_token_id=EOS, seed=11)
+    return path
+
+
+@pytest.mark.parametrize("key", ["temp1", "temp07", "filtered"])
+@pytest.mark.parametrize("method", ["self", "draft_model"])
+def test_model_drafters_sampling_from_q_are_exact(v8, v8_draft, exact, method, key):
+    """The nf4 self-drafter and a draft model sample d ~ q and report that q: exact at T=1, T<1 and with
+    top-k/top-p. A drafter that emitted argmax(q) while reporting q would fail here (tried: p < 1e-30)."""
+    spec = {"method": method, "num_draft_tokens": K}
+    if method == "draft_model":
+        spec["model"] = v8_draft
+    llm, outs = sample_with(v8, spec, PARAMS[key])
+    check_exact(llm, outs, exact[key], f"{method}/{key}")
+    assert any(any(o.from_verify) for o in outs)
+
+
 def _exact_case(model, exact, case, key, **llm_kw):
-    params = TEMP1 if key == "temp1" else FILTERED
+    params = PARAMS[key]
     dist = exact[key]
     spec = {"method": "ngram", "num_draft_tokens": K}
     drafter = setup = None

@@ -232,6 +232,28 @@ def test_policy_toggles_each_drafter_on_its_own_acceptance_and_probes_with_backo
         SpeculationPolicy(probe_every=0)
 
 
+def test_probes_of_a_drafter_with_its_own_kv_wait_for_fresh_rows():
+    """An off self-drafter / draft model is probed only on rows whose drafter KV is current: catching
+    up on 30 tokens per row costs a forward over all of them, more than any probe can win back. A due
+    probe waits for fresh rows (here: requests just prefilled) and then drafts on `probe_rows` of them."""
+    from nanospec.policies import SpeculationPolicy
+    lat = LatencyModel(coef=[1, 0, 0.01, 0, 0])
+    pol = SpeculationPolicy(toggle=SpeculationToggle(lat, 1.05), probe_every=2, probe_every_max=8,
+                            probe_rows=2, sources=["self"], kv_sources=["self"])
+    for _ in range(8):
+        pol.observe_acceptance("self", 4, 0)
+    row = lambda n, done: type("S", (), {"num_completion_tokens": 5, "__len__": lambda self: n,
+                                         "num_draft_computed": done})()
+    stale = [row(40, 10) for _ in range(6)]
+    assert all(pol.budgets(stale, 4) == [0] * 6 for _ in range(12))     # due probes wait
+    fresh = stale[:3] + [row(21, 20), row(23, 20), row(21, 20)]
+    assert pol.budgets(fresh, 4) == [0, 0, 0, 4, 0, 4]                   # the two rows of lag 1
+    plain = SpeculationPolicy(toggle=SpeculationToggle(lat, 1.05), probe_every=2, probe_rows=2, sources=["ngram"])
+    for _ in range(8):
+        plain.observe_acceptance("ngram", 4, 0)
+    assert [plain.budgets(stale, 4) for _ in range(2)][-1] == [4, 4, 0, 0, 0, 0]   # no KV: any rows
+
+
 def test_ladder_rungs_never_exceed_num_draft_tokens():
     """num_draft_tokens is the engine's bound on drafts per step: a ladder that has climbed past it
     (or starts above it) drafts at most that many, as vLLM's num_speculative_tokens."""

@@ -9,13 +9,14 @@ import json
 import math
 import os
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import ROOT
 from nanospec import LLM, SamplingParams
-from nanospec.hub import fetch_smollm2, resolve_model
+from nanospec.hub import cache_dir, convert_gguf, fetch_smollm2, resolve_model
 from nanospec.tasks import format_prompt, get_task
 
 pytestmark = pytest.mark.slow
@@ -42,7 +43,20 @@ def test_defaults_fit_memory_and_reconvert_is_a_noop(llm, smollm2):
     bytes_per_token = 2 * 30 * 3 * 64 * 4
     pool = llm.blocks.num_blocks * llm.blocks.block_size * bytes_per_token
     assert pool <= 2 * 2**30 and llm.max_model_len == 8192        # the byte budget, not 64 x 8192 tokens
-    assert resolve_model(smollm2) == resolve_model(smollm2) and fetch_smollm2() == fetch_smollm2()
+    weights = Path(smollm2) / "model.safetensors"
+    stamp = weights.stat().st_mtime_ns
+    gguf = cache_dir() / "gguf" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert convert_gguf(gguf, smollm2) == Path(smollm2) == fetch_smollm2() == resolve_model(smollm2)
+    assert weights.stat().st_mtime_ns == stamp                    # converted once, then reused
+
+
+def test_bad_model_paths_say_what_to_do(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"'nobody/no-such-model'.*python -m nanospec.hub smollm2"):
+        resolve_model("nobody/no-such-model")
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"not a gguf file")
+    with pytest.raises(ValueError, match=r"broken.gguf: cannot read as a GGUF model"):
+        resolve_model(bad)
 
 
 def test_greedy_tokens_and_logprobs_match_transformers(llm, smollm2, gsm8k_prompts):
