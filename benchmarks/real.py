@@ -5,10 +5,12 @@
 1. Engine vs `transformers.generate`: greedy, EOS ignored, batch 1 / 16 / 64, median of --repeats
    interleaved runs (the `engine` suite's method, on the real model).
 2. Every drafter vs AR on GSM8K rollouts: P test prompts x G samples at T=1, as a GRPO step makes them.
-   Each variant is a fresh engine over the one shared model; all variants make passes 0..max(history)
-   over the same prompts with new seeds each pass, interleaved pass by pass, and the passes listed in
-   --history are timed: there the drafters have seen that many earlier rollouts of these prompts (the
-   prior-rollout store, the suffix trees), as they would after that many GRPO epochs. `+policies` rows
+   Each variant is a fresh engine over the one shared model; all variants make passes 0..max(history)+reps-1
+   over the same prompts with new seeds each pass, interleaved pass by pass (the order reversed every
+   other pass); a row for history h sums
+   passes h .. h + reps - 1 (one pass of 8 rows is a few seconds, and this shared box drifts by ~10%
+   between two of them): there the drafters have seen h (and more) earlier rollouts of these prompts
+   (the prior-rollout store, the suffix trees), as they would after that many GRPO epochs. `+policies` rows
    run the trainer's controller (cost-model toggle, per-token trimming, draft-length ladder; the
    `policies` config defaults); next to each row's measured speedup stands the toggle's verdict (the
    fraction of its decisions that speculated, and its mean predicted speedup). The draft model is the
@@ -97,11 +99,12 @@ def rollouts(model_dir, model, tok, opts, workdir) -> list[dict]:
                                                      length_classes=[]), llm)
         engines[name] = llm
     timed = sorted(opts.history)
-    acc = {(name, h): [0.0, 0] for name in engines for h in timed}
+    acc = {}                                 # (name, pass) -> seconds, tokens, summary, policy stats
     keys = list(range(len(prompts)))
-    for p in range(max(timed) + 1):          # pass p: the drafters have seen p earlier rollouts
+    for p in range(max(timed) + opts.reps):  # pass p: the drafters have seen p earlier rollouts
         params = SamplingParams(temperature=1.0, max_tokens=opts.max_tokens, n=opts.G, seed=100 + p)
-        for name, llm in engines.items():
+        order = list(engines.items())
+        for name, llm in order if p % 2 == 0 else order[::-1]:   # ABC CBA ...: no variant always runs first
             if llm.drafter is not None:
                 llm.drafter.next_step()
             llm.reset_stats()
@@ -109,14 +112,15 @@ def rollouts(model_dir, model, tok, opts, workdir) -> list[dict]:
                 llm.policy.reset_stats()
             t0 = time.perf_counter()
             outs = llm.generate(prompts, params, use_tqdm=False, prompt_keys=keys)
-            if p in timed:
-                acc[name, p] = [time.perf_counter() - t0, sum(len(o.token_ids) for o in outs),
-                                llm.summary(), llm.policy.stats() if llm.policy is not None else {}]
+            acc[name, p] = (time.perf_counter() - t0, sum(len(o.token_ids) for o in outs), llm.summary(),
+                            llm.policy.stats() if llm.policy is not None else {})
     rows = []
-    for h in timed:
-        base = acc["AR", h][1] / acc["AR", h][0]
+    for h in timed:         # passes h .. h + reps - 1, summed; the stats are those of pass h
+        total = lambda name: [sum(acc[name, p][i] for p in range(h, h + opts.reps)) for i in (0, 1)]
+        ar_seconds, ar_tokens = total("AR")
+        base = ar_tokens / ar_seconds
         for name, llm in engines.items():
-            seconds, tokens, s, ps = acc[name, h]
+            (seconds, tokens), (_, _, s, ps) = total(name), acc[name, h]
             spec = llm.drafter is not None
             rows.append(dict(name=f"h{h}: {name}", history=h, tokens=tokens, seconds=seconds,
                              tokens_per_s=tokens / seconds, speedup=tokens / seconds / base,
@@ -135,6 +139,7 @@ def run(args) -> list[dict]:
     ap.add_argument("--G", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--history", default="0,1,5", help="timed passes: earlier rollouts the drafters have seen")
+    ap.add_argument("--reps", type=int, default=3, help="timed passes per history point (h .. h+reps-1)")
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--engine-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
@@ -144,7 +149,7 @@ def run(args) -> list[dict]:
     opts, _ = ap.parse_known_args(args.extra)
     opts.history = [int(x) for x in opts.history.split(",")]
     if args.quick:
-        opts.history, opts.max_tokens, opts.G, opts.repeats, opts.batches = [0, 1], 32, 4, 1, "1,4"
+        opts.history, opts.max_tokens, opts.G, opts.repeats, opts.batches, opts.reps = [0, 1], 32, 4, 1, "1,4", 1
     from transformers import AutoTokenizer
     from nanospec.hub import fetch_smollm2, resolve_model
     from nanospec.loader import load_model

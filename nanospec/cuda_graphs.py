@@ -78,10 +78,6 @@ def kv_blocks_for_memory(model: CausalLM, block_size: int, gpu_memory_utilizatio
 class GraphRunner(Runner):
     """Runner whose decode/verify forwards replay CUDA graphs; same API (forward/prepare/cache/device)."""
 
-    def sleep(self) -> None:
-        super().sleep()
-        self.graphs.clear()      # captured against the freed cache: recaptured after wake_up
-
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, max_num_seqs: int,
                  max_model_len: int, *, max_q: int = 8, emulate: bool = False):
         dev = model.model.embed_tokens.weight.device
@@ -101,6 +97,11 @@ class GraphRunner(Runner):
         self.num_captures = 0
         self.num_replays = 0
         self.num_eager = 0
+
+    def sleep(self) -> None:
+        super().sleep()
+        self.graphs.clear()      # captured against the freed cache: recaptured after wake_up
+        self.bufs.clear()
 
     def bucket_for(self, batch: int) -> int | None:
         """Smallest bucket >= batch, or None if the batch is larger than every bucket."""

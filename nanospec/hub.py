@@ -115,7 +115,7 @@ def resolve_model(path: str | os.PathLike, log=print) -> Path:
         raise ValueError(f"model path {p}: expected an HF directory (config.json + safetensors) or a .gguf file")
     try:
         from huggingface_hub import snapshot_download
-        return Path(snapshot_download(str(path), allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"]))
+        return Path(snapshot_download(str(path), allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]))
     except Exception as e:   # offline, unknown repo, ...: one clear message
         if str(path) == SMOLLM2["hub_id"]:
             log(f"[hub] {path}: the hub is unreachable, using the same model from {SMOLLM2['package']} "

@@ -113,6 +113,16 @@ def test_llm_emulated_graphs_match_ar_and_speculative():
     assert max(q for _, q in g_spec.runner.graphs) > 1 and g_spec.runner.num_replays > 0
 
 
+def test_sleep_drops_graphs_captured_against_the_freed_cache():
+    llm, prompts = emulated_llm(tiny(seed=5)), repetitive_prompts(3)
+    before = greedy(llm, prompts)
+    assert llm.runner.graphs
+    llm.sleep()
+    assert llm.runner.cache is None and not llm.runner.graphs
+    llm.wake_up()
+    assert greedy(llm, prompts) == before and llm.runner.graphs     # recaptured on the new cache
+
+
 def test_load_weights_in_place_keeps_graphs():
     # prefix_caching off: LLM.load_weights keeps prefix-cache hits whose KV came from the old weights
     llm, prompts = emulated_llm(tiny(seed=6), prefix_caching=False), repetitive_prompts(3)

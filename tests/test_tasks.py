@@ -181,3 +181,26 @@ def test_gsm8k_data_dir_env(monkeypatch, tmp_path):
     (tmp_path / "gsm8k").mkdir()
     (tmp_path / "gsm8k" / "test.jsonl").write_text(json.dumps({"question": "1+1?", "answer": "#### 2"}) + "\n")
     assert [p.answer for p in GSM8KTask().test()] == ["2"]
+
+
+def test_arith_word_problems_reward_split_and_tail():
+    """`arith`: running totals in words, GSM8K's '#### N' format with partial credit, disjoint splits,
+    a heavy tail of operations, and reference solutions that score 1."""
+    from nanospec.tasks import ArithTask
+    task = get_task("arith", seed=0)
+    train, test = task.train(300), task.test(100)
+    assert not {p.prompt for p in train} & {p.prompt for p in test}
+    assert task.train(50) == train[:50]                                   # prefix-stable in n
+    ks = [p.meta["k"] for p in train]
+    assert ks.count(1) > len(ks) / 3 and max(ks) >= 5                     # mostly short, some long
+    p = train[0]
+    assert p.prompt.endswith("Give the final number after '####'.") and int(p.answer) == p.steps[-1]
+    assert all(task.reward(q, task.sft_text(q, random.Random(0))) == 1.0 for q in train[:50])
+    wrong = str(int(p.answer) + 1)
+    assert task.reward(p, f"so #### {p.answer}") == 1.0 and task.is_correct(p, f"so #### {p.answer}")
+    assert task.reward(p, f"so #### {wrong}") == task.format_credit == 0.1
+    assert task.reward(p, f"the answer is {p.answer}") == 1.0               # no '####': the last number
+    assert task.reward(p, f"the answer is {wrong}") == 0.0
+    assert task.reward(p, "#### none") == 0.0
+    with pytest.raises(ValueError, match="task.format_credit"):
+        ArithTask(format_credit=1.5)

@@ -30,12 +30,13 @@ class ArithTask:
 
     def __init__(self, seed: int = 0, min_steps: int = 1, max_steps: int = 6, zipf_alpha: float = 1.5,
                  test_fraction: float = 0.2, format_credit: float = 0.1):
-        for key, ok, want in [("min_steps", 1 <= min_steps <= max_steps, "1 <= min_steps <= max_steps"),
-                              ("zipf_alpha", zipf_alpha >= 0, ">= 0"),
-                              ("test_fraction", 0 < test_fraction < 1, "in (0, 1)"),
-                              ("format_credit", 0 <= format_credit < 1, "in [0, 1)")]:
+        for key, value, ok, want in [
+                ("min_steps", min_steps, 1 <= min_steps <= max_steps, "1 <= min_steps <= max_steps"),
+                ("zipf_alpha", zipf_alpha, zipf_alpha >= 0, ">= 0"),
+                ("test_fraction", test_fraction, 0 < test_fraction < 1, "in (0, 1)"),
+                ("format_credit", format_credit, 0 <= format_credit < 1, "in [0, 1)")]:
             if not ok:
-                raise ValueError(f"task.{key}: expected {want}, got {locals()[key]!r}")
+                raise ValueError(f"task.{key}: expected {want}, got {value!r}")
         self.seed, self.min_steps, self.max_steps, self.zipf_alpha = seed, min_steps, max_steps, zipf_alpha
         self.test_fraction, self.format_credit = test_fraction, format_credit
 
