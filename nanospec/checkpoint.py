@@ -53,11 +53,8 @@ def set_rng_state(st: dict) -> None:
 
 
 def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def save_checkpoint(run_dir, step: int, model, tokenizer, trainer_state: dict, rank_state: dict, *,

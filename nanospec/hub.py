@@ -40,20 +40,13 @@ def cache_dir() -> Path:
     return Path(os.environ.get("NANOSPEC_CACHE") or Path.home() / ".cache" / "nanospec")
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def convert_gguf(gguf: str | Path, out: str | Path | None = None, log=_stderr) -> Path:
     """A GGUF file -> an HF directory (cached by the file's content hash; a second call is a no-op)."""
     gguf = Path(gguf).resolve()
     if not gguf.is_file():
         raise FileNotFoundError(f"{gguf}: no such GGUF file")
-    digest = _sha256(gguf)
+    with open(gguf, "rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
     out = Path(out) if out else cache_dir() / f"{gguf.stem}-{digest[:12]}"
     marker = out / SOURCE
     if marker.is_file() and json.loads(marker.read_text()).get("sha256") == digest:
