@@ -80,7 +80,6 @@ def truncated_draft(model_dir, layers: int, out: str) -> str:
 
 def rollouts(model_dir, model, tok, opts, workdir) -> list[dict]:
     from nanospec.config import PoliciesConfig
-    from nanospec.policies import build_policy
     from nanospec.tasks import format_prompt, get_task
     problems = get_task("gsm8k").test(opts.prompts)
     prompts = [format_prompt(tok, p.prompt) for p in problems]
@@ -93,10 +92,10 @@ def rollouts(model_dir, model, tok, opts, workdir) -> list[dict]:
     for name, spec, policies in variants:
         if isinstance(spec, dict) and spec["method"] == "draft_model":
             spec = dict(spec, model=draft)
-        llm = LLM(model, tok, max_num_seqs=len(prompts) * opts.G, speculative=spec, kv_cache_gib=0.25)
-        if policies:
-            llm.policy = build_policy(PoliciesConfig(bubble_drafting=False, length_aware_assignment=False,
-                                                     length_classes=[]), llm)
+        controller = PoliciesConfig(bubble_drafting=False, length_aware_assignment=False,
+                                    length_classes=[]) if policies else None
+        llm = LLM(model, tok, max_num_seqs=len(prompts) * opts.G, speculative=spec, kv_cache_gib=0.25,
+                  controller=controller)
         engines[name] = llm
     timed = sorted(opts.history)
     acc = {}                                 # (name, pass) -> seconds, tokens, summary, policy stats
@@ -108,12 +107,12 @@ def rollouts(model_dir, model, tok, opts, workdir) -> list[dict]:
             if llm.drafter is not None:
                 llm.drafter.next_step()
             llm.reset_stats()
-            if llm.policy is not None:
-                llm.policy.reset_stats()
+            if llm.controller is not None:
+                llm.controller.reset_stats()
             t0 = time.perf_counter()
             outs = llm.generate(prompts, params, use_tqdm=False, prompt_keys=keys)
             acc[name, p] = (time.perf_counter() - t0, sum(len(o.token_ids) for o in outs), llm.summary(),
-                            llm.policy.stats() if llm.policy is not None else {})
+                            llm.controller.stats() if llm.controller is not None else {})
     rows = []
     for h in timed:         # passes h .. h + reps - 1, summed; the stats are those of pass h
         total = lambda name: [sum(acc[name, p][i] for p in range(h, h + opts.reps)) for i in (0, 1)]

@@ -91,10 +91,10 @@ def _rank_main(rank, port, model_path, opts, out_path):
         cfg = Config(grpo=GRPOConfig(prompts_per_step=P, num_generations=opts["G"], max_completion_length=110),
                      policies=PoliciesConfig(**{**NONE, **pol}))
         llm = LLM(model, tokenizer=tok, max_num_seqs=64, block_size=16, max_model_len=256, seed=1 + rank,
-                  speculative={"method": "ngram", "num_draft_tokens": SPEC_K} if spec == "bad" else spec)
+                  controller=None, speculative={"method": "ngram", "num_draft_tokens": SPEC_K} if spec == "bad" else spec)
         if spec == "bad":
             llm.drafter = bad_drafter(llm.vocab_size)
-        llm.policy = build_policy(cfg.policies, llm)
+        llm.controller = build_policy(cfg.policies, llm)     # after the drafter swap: it reads its sources
         workers[name] = RolloutWorker(llm, tok, cfg, rank, 2)
     start = {k: v.clone() for k, v in next(iter(workers.values())).llm.model.state_dict().items()}
     results = {name: [] for name in workers}

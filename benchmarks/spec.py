@@ -82,6 +82,7 @@ def print_phases(rows: list[dict]) -> None:
 
 
 def workload(model_dir, num_prompts: int):
+    from nanospec.config import PoliciesConfig
     from nanospec.tasks import SyntheticTask, format_prompt
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -124,16 +125,15 @@ def run(args) -> list[dict]:
     sp = lambda seed, T: SamplingParams(temperature=T, max_tokens=112, n=opts.G, seed=seed)
     engines = {}
     for name, spec, policies, T in variants:
+        # engine-level policies: per-drafter cost-model toggle, draft-length ladder; None: fixed k
+        controller = None if policies is None else PoliciesConfig(
+            bubble_drafting=False, length_aware_assignment=False, length_classes=[], **policies)
         try:
-            llm = LLM(model_dir, tokenizer=tok, max_num_seqs=num_prompts * opts.G, speculative=spec)
-        except ValueError as e:   # e.g. nf4 needs in_features % 32 == 0: say so, measure the rest
+            llm = LLM(model_dir, tokenizer=tok, max_num_seqs=num_prompts * opts.G, speculative=spec,
+                      controller=controller)
+        except ValueError as e:   # a drafter this model cannot run: say so, measure the rest
             print(f"spec suite: {name} skipped: {e}")
             continue
-        if policies is not None:   # engine-level policies: per-drafter cost-model toggle, draft-length ladder
-            from nanospec.config import PoliciesConfig
-            from nanospec.policies import build_policy
-            llm.policy = build_policy(PoliciesConfig(bubble_drafting=False, length_aware_assignment=False,
-                                                     length_classes=[], **policies), llm)
         llm.generate(prompts, sp(1, T), use_tqdm=False, prompt_keys=keys)       # history pass
         engines[name] = (llm, T, [0.0, 0], track_phases(llm, num_prompts * opts.G))   # seconds, tokens
     for rep in range(opts.reps):    # timed passes, variants interleaved: machine drift hits all alike
@@ -144,8 +144,8 @@ def run(args) -> list[dict]:
                 llm.reset_stats()
                 for p in phases:
                     p[:] = [0.0, 0]
-                if llm.policy is not None:
-                    llm.policy.reset_stats()
+                if llm.controller is not None:
+                    llm.controller.reset_stats()
             t0 = time.perf_counter()
             outs = llm.generate(prompts, sp(2 + rep, T), use_tqdm=False, prompt_keys=keys)
             acc[0] += time.perf_counter() - t0

@@ -181,7 +181,7 @@ def engine_state(llm) -> dict:
     Without it a resumed run drafts differently, which consumes the sampler's uniforms differently."""
     drafters = [{"generator": d.generator.get_state()} if d.needs_kv else flat_dumps(dict(vars(d)))
                 for d in members(llm.drafter)]
-    return {"drafters": drafters, "policy": flat_dumps(dict(vars(llm.policy))) if llm.policy is not None else None}
+    return {"drafters": drafters, "policy": flat_dumps(dict(vars(llm.controller))) if llm.controller is not None else None}
 
 
 def load_engine_state(llm, state: dict) -> None:
@@ -194,5 +194,5 @@ def load_engine_state(llm, state: dict) -> None:
             d.generator.set_state(st["generator"])
         else:
             vars(d).update(flat_loads(st))
-    if state["policy"] is not None and llm.policy is not None:
-        vars(llm.policy).update(flat_loads(state["policy"]))
+    if state["policy"] is not None and llm.controller is not None:
+        vars(llm.controller).update(flat_loads(state["policy"]))

@@ -78,8 +78,13 @@ class LLM:
                  max_num_seqs: int = 64, block_size: int = 16, num_kv_blocks: int | None = None,
                  max_model_len: int | None = None, max_num_batched_tokens: int | None = None,
                  speculative: dict | list | None = None, prefix_caching: bool = True, seed: int = 0,
-                 policy=None, use_cuda_graphs: bool = False, gpu_memory_utilization: float = 0.5,
+                 controller="auto", use_cuda_graphs: bool = False, gpu_memory_utilization: float = 0.5,
                  kv_cache_gib: float | None = None):
+        """`controller` decides how much to draft each step (policies.py): "auto" (the default with a
+        drafter) profiles this model on this machine and turns drafting off where it would not pay, with
+        the draft length chosen from measured acceptance; a `PoliciesConfig` builds one from that config
+        (the trainer's); a `SpeculationPolicy` is used as given; None drafts `num_draft_tokens` on every
+        step (fixed-k experiments)."""
         if str(device).startswith("cuda") and not torch.cuda.is_available():
             raise RuntimeError(f"device={device!r} requested but torch.cuda.is_available() is False")
         self.model_path = None if isinstance(model, CausalLM) else str(model)
@@ -131,9 +136,25 @@ class LLM:
         self._st_key = self._st = None   # SamplingTensors of the last step's batch, reused while it repeats
         self.drafter: Drafter | None = make_drafter(
             speculative, model_drafter_factory=lambda spec: build_model_drafter(spec, self)) if speculative else None
-        self.policy = policy      # optional policies.SpeculationPolicy: per-seq budgets, toggle, ladder
+        self.controller = self._build_controller(controller)
         # a LOSSY drafter (lenience) warned when it was built; summary()["lossy"] labels every stat
         self.reset_stats()
+
+    def _build_controller(self, controller):
+        from .config import PoliciesConfig
+        from .policies import SpeculationPolicy, build_policy
+        if controller is None or isinstance(controller, SpeculationPolicy):
+            return controller
+        if controller == "auto":
+            if self.drafter is None:
+                return None
+            # the trainer's mechanism with an engine's defaults: cost-model toggle, draft length from the
+            # cost model and measured acceptance (no ladder), no length classes (they need a task's lengths)
+            controller = PoliciesConfig(length_classes=[], adaptive_draft_length=False)
+        if not isinstance(controller, PoliciesConfig):
+            raise ValueError(f"controller: expected 'auto', None, a PoliciesConfig or a SpeculationPolicy, "
+                             f"got {controller!r}")
+        return build_policy(controller, self) if self.drafter is not None else None
 
     # ---- requests -------------------------------------------------------------------------------
     def _tokenize(self, prompt, i: int) -> list[int]:
@@ -265,16 +286,18 @@ class LLM:
         hidden = self.runner.forward(seqs, tokens, [len(s) - 1 for s in seqs])
         logits = self.model.logits(hidden)                                       # [B, K+1, V]
         self.stats["target_forwards"] += 1
+        before = self.stats["generated_tokens"]
         finished = self._verify_and_append(seqs, logits, proposal)
-        if self.policy is not None:
-            self.policy.observe_forward(seqs, tokens, time.perf_counter() - t0)
+        if self.controller is not None:
+            self.controller.observe_forward(seqs, tokens, time.perf_counter() - t0,
+                                            self.stats["generated_tokens"] - before)
         return finished
 
     def _propose(self, seqs: list[Sequence]) -> Proposal:
         empty = Proposal([[] for _ in seqs])
         if self.drafter is None:
             return empty
-        budgets = (self.policy.budgets(seqs, self.num_draft_tokens) if self.policy is not None
+        budgets = (self.controller.budgets(seqs, self.num_draft_tokens) if self.controller is not None
                    else [self.num_draft_tokens] * len(seqs))
         if not any(budgets):       # the toggle's common "off" answer: skip the per-sequence work below
             return empty
@@ -289,9 +312,12 @@ class LLM:
             return empty
         t0 = time.perf_counter()
         proposal = self.drafter.propose(seqs, budgets)
-        if self.policy is not None:
-            proposal = self.policy.clip(proposal, budgets, seqs)
-            self.policy.observe_draft_time(time.perf_counter() - t0, len(seqs))
+        if self.controller is not None:
+            seconds = time.perf_counter() - t0
+            proposal = self.controller.clip(proposal, budgets, seqs)
+            drafting = [s for s, k in zip(seqs, budgets) if k]
+            self.controller.observe_draft_time(seconds, len(drafting), sum(map(len, drafting)) / len(drafting),
+                                               max(budgets) if self.drafter.needs_kv else 0)
         for i, k in enumerate(budgets):
             assert len(proposal.tokens[i]) <= k, f"drafter {proposal.sources[i]} proposed past its budget"
         return proposal
@@ -391,8 +417,8 @@ class LLM:
         per["verify_steps"] += 1
         per["proposed"] += proposed
         per["accepted"] += accepted
-        if self.policy is not None:
-            self.policy.observe_acceptance(source, proposed, accepted, confidence)
+        if self.controller is not None:
+            self.controller.observe_acceptance(source, proposed, accepted, confidence)
 
     def reset_stats(self) -> None:
         self.stats = defaultdict(int)
@@ -418,8 +444,10 @@ class LLM:
             self.drafter.refresh(self.model)
 
     @torch.inference_mode()
-    def time_forward(self, batch_size: int, ctx_len: int, num_query: int) -> float:
-        """Seconds of one target forward at (B, C, Q) on scratch blocks: the latency model's profile."""
+    def time_forward(self, batch_size: int, ctx_len: int, num_query: int, drafter=None) -> float:
+        """Seconds of one target forward at (B, C, Q) on scratch blocks: the latency model's profile.
+        With a model drafter: one forward of its model instead (it shares the target's block tables)."""
+        model, runner = (self.model, self.runner) if drafter is None else (drafter.model, drafter.runner)
         seqs = [Sequence([0] * (ctx_len + num_query), SamplingParams()) for _ in range(batch_size)]
         try:
             if not all(self.blocks.ensure(s, ctx_len + num_query) for s in seqs):
@@ -428,7 +456,7 @@ class LLM:
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
-            self.model.logits(self.runner.forward(seqs, tokens, [ctx_len] * batch_size))
+            model.logits(runner.forward(seqs, tokens, [ctx_len] * batch_size))
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
             return time.perf_counter() - t0

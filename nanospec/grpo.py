@@ -45,7 +45,6 @@ from .hub import resolve_model
 from .loader import load_model
 from .model import drop_packed_weights
 from .loss import group_advantages, logprob_mismatch, policy_loss, tis_weights, token_logprobs
-from .policies import build_policy
 from .report import headline, load_metrics
 from .rollout import RolloutWorker, Sample
 from .sequence import SamplingParams
@@ -185,10 +184,10 @@ class Trainer:
                        max_num_seqs=r.max_num_seqs, block_size=r.block_size, num_kv_blocks=r.num_kv_blocks,
                        max_model_len=max_len, max_num_batched_tokens=r.max_num_batched_tokens, speculative=r.speculative,
                        prefix_caching=r.prefix_caching, seed=cfg.run.seed + self.rank, use_cuda_graphs=r.use_cuda_graphs,
-                       gpu_memory_utilization=r.gpu_memory_utilization, kv_cache_gib=r.kv_cache_gib)
-        self.llm.policy = build_policy(cfg.policies, self.llm)
-        if self.llm.policy is not None and self.llm.policy.classes is not None:
-            c = self.llm.policy.classes
+                       gpu_memory_utilization=r.gpu_memory_utilization, kv_cache_gib=r.kv_cache_gib,
+                       controller=cfg.policies)
+        if self.llm.controller is not None and self.llm.controller.classes is not None:
+            c = self.llm.controller.classes
             self.log(f"[policy] answer-length classes split at {', '.join(f'{t:g}' for t in c.thresholds)} "
                      f"tokens -> draft budgets {list(c.budgets)}"
                      + (" (cost model)" if cfg.policies.length_class_budgets is None else ""))
@@ -373,8 +372,8 @@ class Trainer:
             return {}
         mine, g = self.test_set[self.rank::self.world], self.cfg.grpo
         prompts = [self.worker.prompt_ids(p) for p in mine]     # the worker caches rendered prompts
-        llm, saved = self.llm, (self.llm.drafter, self.llm.policy)
-        llm.drafter = llm.policy = None
+        llm, saved = self.llm, (self.llm.drafter, self.llm.controller)
+        llm.drafter = llm.controller = None
         try:
             eos = self.tokenizer.eos_token_id
             params = dict(max_tokens=g.max_completion_length, stop_token_ids=[] if eos is None else [eos])
@@ -383,7 +382,7 @@ class Trainer:
                                                            n=samples, seed=self.cfg.run.seed + self.rank, **params),
                                    use_tqdm=False)
         finally:
-            llm.drafter, llm.policy = saved
+            llm.drafter, llm.controller = saved
         res = [(self.task.reward(p, o.text), float(self.task.is_correct(p, o.text))) for p, o in zip(mine, greedy)]
         res = [x for r in dist.all_gather_object(res) for x in r]
         drawn = [self.task.reward(mine[i // samples], o.text) for i, o in enumerate(sampled)]

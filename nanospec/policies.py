@@ -10,9 +10,12 @@ Leviathan et al. 2023, eq. 1: expected tokens per verify step under i.i.d. accep
 from __future__ import annotations
 
 import bisect
+import hashlib
 import itertools
+import json
 import math
 import operator
+import os
 import statistics
 from collections import defaultdict, deque
 from typing import Callable, Hashable, Sequence
@@ -141,16 +144,17 @@ def _speedup(latency, batch_size, ctx_len, k, expected_accepted_tokens, draft_ti
 
 
 def best_k(latency: LatencyModel, batch_size: float, ctx_len: float, alpha: float,
-           max_k: int = 8, draft_time: float = 0.0) -> tuple[int, float]:
-    """The k in 1..max_k with the highest predicted speedup, drafting costing `draft_time` (the
-    measured propose() time of the batch). Ties go to the shorter draft."""
+           max_k: int = 8, draft_time: float = 0.0, draft_time_per_token: float = 0.0) -> tuple[int, float]:
+    """The k in 1..max_k with the highest predicted speedup, drafting k tokens costing
+    draft_time + k * draft_time_per_token seconds: a history drafter's propose() costs about the same
+    for any k, a model drafter runs one forward of its own per draft token. Ties go to the shorter draft."""
     _check(_is_int(max_k) and max_k >= 1, "max_k", "an int >= 1", max_k)
     _check(0.0 <= alpha <= 1.0, "alpha", "a probability in [0, 1]", alpha)
     t_ar, best, accepted, alpha_k = latency.predict(batch_size, ctx_len, 1), (1, -1.0), 0.0, 1.0
     for k in range(1, max_k + 1):      # expected_accepted(alpha, k), summed as k grows
         alpha_k *= alpha
         accepted += alpha_k
-        s = _speedup(latency, batch_size, ctx_len, k, accepted, draft_time, t_ar)
+        s = _speedup(latency, batch_size, ctx_len, k, accepted, draft_time + k * draft_time_per_token, t_ar)
         if s > best[1]:
             best = (k, s)
     return best
@@ -231,11 +235,12 @@ class SpeculationToggle:
         self.reset_stats()
 
     def choose(self, batch_size: float, ctx_len: float, max_k: int, alpha: float,
-               draft_time: float) -> tuple[int, float]:
+               draft_time: float, draft_time_per_token: float = 0.0) -> tuple[int, float]:
         """The draft length to use this step: the k <= max_k (the ladder's rung) with the highest
         predicted speedup, or 0 when even that one is below min_speedup. At large batch a CPU verify is
         compute-bound (every draft token costs about a decoded token), so there the best k is short."""
-        k, s = best_k(self.latency, batch_size, ctx_len, alpha, max_k=max_k, draft_time=draft_time)
+        k, s = best_k(self.latency, batch_size, ctx_len, alpha, max_k=max_k, draft_time=draft_time,
+                      draft_time_per_token=draft_time_per_token)
         return (k if self._count(s >= self.min_speedup, s) else 0), s
 
     def _count(self, on: bool, s: float) -> bool:
@@ -249,6 +254,68 @@ class SpeculationToggle:
         n = max(self._steps, 1)
         return {"toggle_steps": self._steps, "toggle_on_steps": self._on,
                 "toggle_on_fraction": self._on / n, "toggle_mean_predicted_speedup": self._sum / n}
+
+
+class SpeedupGuard:
+    """The measured check behind every prediction above (a circuit breaker on realized speedup).
+
+    For a step that speculated, plain decoding would have needed (tokens emitted / B) steps of t(B, C, 1)
+    for the same tokens; its realized speedup is that over the seconds the step really took (drafting +
+    verify). t comes from the latency model, scaled by the measured / predicted ratio of recent plain
+    steps, so a model that is off at this batch and context is corrected by the steps themselves. Any
+    cost the predictions leave out (a drafter's Python, an over-confident acceptance estimate, verify
+    overheads) shows up here. When the realized speedup, summed over the last speculating steps, falls
+    below 1 after `min_steps` of them, speculation is suspended for `gap` engine steps of plain decoding
+    and then tried again on fresh evidence; the gap doubles (up to `max_gap`) while trials keep failing.
+    Steps that only probe an off drafter are left out: they are the probe's cost, accounted for there.
+    """
+
+    def __init__(self, min_steps: int = 8, gap: int = 16, max_gap: int = 512, decay: float = 0.9):
+        _check(_is_int(min_steps) and min_steps >= 1, "min_steps", "an int >= 1", min_steps)
+        _check(_is_int(gap) and 1 <= gap <= max_gap, "gap", f"an int in [1, max_gap={max_gap}]", gap)
+        _check(0 < decay <= 1, "decay", "in (0, 1]", decay)
+        self.min_steps, self.base_gap, self.max_gap, self.decay = min_steps, gap, max_gap, decay
+        self.gap, self.suspended, self.ar_bias = gap, 0, 1.0
+        self.trips = self.suspended_steps = 0
+        self._restart()
+
+    def _restart(self) -> None:
+        self.ar_seconds = self.spent = 0.0    # decayed sums over this trial's speculating steps
+        self.n = 0
+
+    def allows(self) -> bool:
+        """Once per engine step: may this step speculate?"""
+        if self.suspended:
+            self.suspended -= 1
+            self.suspended_steps += 1
+            return False
+        return True
+
+    def observe(self, speculated: bool, seconds: float, predicted_ar: float, tokens_per_row: float) -> None:
+        """One step: `seconds` it took (drafting included), `predicted_ar` = t(B, C, 1) of the latency
+        model, `tokens_per_row` = tokens emitted / B (1 for a plain step)."""
+        if not speculated:
+            self.ar_bias = 0.8 * self.ar_bias + 0.2 * seconds / predicted_ar
+            return
+        self.ar_seconds = self.decay * self.ar_seconds + tokens_per_row * predicted_ar * self.ar_bias
+        self.spent = self.decay * self.spent + seconds
+        self.n += 1
+        if self.n < self.min_steps:
+            return
+        if self.ar_seconds < self.spent:          # slower than plain decoding: suspend, retry later
+            self.suspended, self.trips = self.gap, self.trips + 1
+            self.gap = min(2 * self.gap, self.max_gap)
+            self._restart()
+        elif self.n == self.min_steps:            # a trial passed: the next failure waits the base gap
+            self.gap = self.base_gap
+
+    def reset(self) -> None:
+        """A new rollout step (new weights, new histories): try speculating again from the base gap."""
+        self.gap, self.suspended, self.trips, self.suspended_steps = self.base_gap, 0, 0, 0
+        self._restart()
+
+    def realized_speedup(self) -> float | None:
+        return self.ar_seconds / self.spent if self.spent else None
 
 
 class DraftLengthLadder:
@@ -492,14 +559,18 @@ class SpeculationPolicy:
     on another. Such a source needs no probes: its rates are calibrated against measured acceptance,
     and a source trimmed away at full batch still drafts in the small tail batches, where drafts are
     cheap, so its calibration keeps learning.
-    The engine reports back draft time, forward time and acceptance, which keep the latency model,
+    Draft cost: a history drafter's propose() is timed per row (an EMA); a drafter with its own model
+    (self, draft model) runs one forward of it per draft token, priced by `draft_latency`, that
+    model's own LatencyModel (profiled at start-up like the target's, then fed every propose() time).
+    The engine reports back draft time, forward time and acceptance, which keep the latency models,
     the toggle and the ladder current.
     """
 
     def __init__(self, *, ladder: DraftLengthLadder | None = None, classes: LengthClasses | None = None,
                  toggle: SpeculationToggle | None = None, default_alpha: float = 0.8, probe_every: int = 16,
                  probe_every_max: int = 256, probe_rows: int = 4, sources: Sequence[str] = (),
-                 confident_sources: Sequence[str] = (), kv_sources: Sequence[str] = ()):
+                 confident_sources: Sequence[str] = (), kv_sources: Sequence[str] = (),
+                 draft_latency: LatencyModel | None = None):
         _check(_is_int(probe_every) and 1 <= probe_every <= probe_every_max, "probe_every",
                f"an int in [1, probe_every_max={probe_every_max}]", probe_every)
         _check(_is_int(probe_rows) and probe_rows >= 1, "probe_rows", "an int >= 1", probe_rows)
@@ -510,11 +581,14 @@ class SpeculationPolicy:
         self.confident = set(confident_sources)   # sources whose proposals carry per-token confidence
         self.kv_sources = set(kv_sources)          # sources that keep their own KV (catch up before drafting)
         self.calibration = ConfidenceCalibration()
-        self.draft_time = None      # EMA seconds of propose() per sequence (drafting is per row)
+        self.draft_latency = draft_latency   # seconds of one forward of the drafter's own model, if any
+        self.draft_time = None      # EMA seconds of a history drafter's propose() per sequence
         self._tally: dict[str, list[float]] = {}    # no ladder: per source recent accepted, rejections
         self._gap: dict[str, list[int]] = {}        # per source: [steps since last probe, probe gap]
         self._pays: dict[str, int | None] = {}      # this step, per source: draft length (0 = off), None = probe
         self._steps = self._on_steps = 0
+        self.guard = SpeedupGuard() if toggle is not None else None
+        self._step_draft_seconds = 0.0               # this step's propose() time, for the guard
 
     def alpha(self, source: str) -> float:
         """Per-token acceptance of `source`: the ladder's window rate, or without a ladder a recent
@@ -546,6 +620,8 @@ class SpeculationPolicy:
                   for k, s in zip(ks, seqs)]
         self._steps += 1
         self._pays = {}
+        if self.guard is not None and not self.guard.allows():
+            return [0] * len(seqs)
         if self.toggle is not None and any(ks):
             ctx = sum(len(s) for s in seqs) / len(seqs)
             for n in sources:
@@ -553,7 +629,7 @@ class SpeculationPolicy:
                     self._pays[n] = self._rung(n, max_k)
                     continue
                 kn, _ = self.toggle.choose(len(seqs), ctx, min(self._rung(n, max_k), max(ks)),
-                                           self.alpha(n), (self.draft_time or 0.0) * len(seqs))
+                                           self.alpha(n), *self.draft_cost(len(seqs), ctx))
                 gap = self._gap.setdefault(n, [0, self.probe_every])
                 if kn:
                     gap[:] = [0, self.probe_every]
@@ -626,23 +702,42 @@ class SpeculationPolicy:
             elif t:
                 E += expected_accepted(self.alpha(proposal.sources[i]), len(t))
                 fixed += len(t)
-        T = (self.draft_time or 0.0) * B + lat.predict(B, ctx, 1 + fixed / B)
+        per_row, per_token = self.draft_cost(B, ctx)
+        T = per_row + per_token * max(map(len, tokens)) + lat.predict(B, ctx, 1 + fixed / B)
         keep = trim_drafts(cand, E, T, lat.token_cost(ctx))
         for i, k in zip(rows, keep):
             tokens[i] = tokens[i][:k]
         return tokens
 
-    def observe_draft_time(self, seconds: float, num_seqs: int) -> None:
-        """One propose() call over `num_seqs` sequences: kept per sequence, so the cost measured on a
-        full batch is not charged in full to a tail step of one straggler."""
+    def draft_cost(self, batch_size: int, ctx_len: float) -> tuple[float, float]:
+        """-> (seconds of a propose() for any k, seconds per draft token) for a batch of this shape."""
+        per_token = 0.0 if self.draft_latency is None else self.draft_latency.predict(batch_size, ctx_len, 1)
+        return (self.draft_time or 0.0) * batch_size, per_token
+
+    def observe_draft_time(self, seconds: float, num_seqs: int, ctx_len: float = 0.0, forwards: int = 0) -> None:
+        """One propose() call over `num_seqs` sequences. A model drafter's time is `forwards` forwards of
+        its model (fed to draft_latency); a history drafter's is kept per sequence, so the cost measured
+        on a full batch is not charged in full to a tail step of one straggler."""
+        self._step_draft_seconds += seconds
+        if self.draft_latency is not None and forwards:
+            self.draft_latency.observe(num_seqs, ctx_len, 1, seconds / forwards)
+            return
         per = seconds / max(num_seqs, 1)
         self.draft_time = per if self.draft_time is None else 0.8 * self.draft_time + 0.2 * per
 
-    def observe_forward(self, seqs, tokens, seconds: float) -> None:
-        if self.toggle is not None:
-            ctx = sum(len(s) for s in seqs) / len(seqs)
-            # packed ragged steps cost ~ the real tokens: Q = mean tokens per sequence
-            self.toggle.latency.observe(len(seqs), ctx, sum(map(len, tokens)) / len(tokens), seconds)
+    def observe_forward(self, seqs, tokens, seconds: float, emitted: int | None = None) -> None:
+        """One decode step: its forward + verify `seconds` and the tokens it `emitted` (all rows)."""
+        draft_seconds, self._step_draft_seconds = self._step_draft_seconds, 0.0
+        if self.toggle is None:
+            return
+        B, ctx = len(seqs), sum(len(s) for s in seqs) / len(seqs)
+        predicted_ar = self.toggle.latency.predict(B, ctx, 1)
+        # packed ragged steps cost ~ the real tokens: Q = mean tokens per sequence
+        self.toggle.latency.observe(B, ctx, sum(map(len, tokens)) / B, seconds)
+        speculated = any(len(t) > 1 for t in tokens)
+        paying = any(self._pays.values())        # not a probe-only step
+        if emitted is not None and (paying or not speculated):
+            self.guard.observe(speculated, seconds + draft_seconds, predicted_ar, emitted / B)
 
     def observe_acceptance(self, source: str, proposed: int, accepted: int,
                            confidence: Sequence[float] | None = None) -> None:
@@ -662,6 +757,7 @@ class SpeculationPolicy:
         out = {"spec_on_frac": self._on_steps / max(self._steps, 1)}
         if self.toggle is not None:
             out.update(self.toggle.stats())
+            out.update(guard_trips=self.guard.trips, guard_suspended_steps=self.guard.suspended_steps)
         if self.ladder is not None:
             out.update({f"drafter/{n}/draft_len": self.ladder.current(n) for n in self.ladder.names})
             out["draft_len_mean"] = float(np.mean([self.ladder.current(n) for n in self.ladder.names])) \
@@ -673,6 +769,42 @@ class SpeculationPolicy:
         self._gap.clear()       # new rollout step = new weights and histories: probe early again
         if self.toggle is not None:
             self.toggle.reset_stats()
+            self.guard.reset()
+
+
+def profiled_latency(llm, drafter=None, query_lens=(1, 4, 8)) -> LatencyModel:
+    """A LatencyModel fitted to a short profile of the target's (or a model drafter's) forward on this
+    machine (EfficientRollout: the toggle's cost model is measured, not assumed). The profile is cached
+    on disk per model shape, dtype, device, threads and torch version (`profile_cache_path`), so a
+    second engine on the same machine starts without profiling; online samples refit it as it runs."""
+    max_seqs, ctx = llm.scheduler.max_num_seqs, min(64, llm.max_model_len // 2)
+    grid = dict(batch_sizes=[b for b in (1, 8, 32) if b <= max_seqs], ctx_lens=[ctx // 2, ctx],
+                query_lens=list(query_lens))
+    path = profile_cache_path(llm.model if drafter is None else drafter.model, llm.device, grid)
+    latency = LatencyModel()
+    if path.is_file():
+        try:
+            return latency.fit([tuple(r) for r in json.loads(path.read_text())["samples"]])
+        except (ValueError, KeyError, TypeError, json.JSONDecodeError):
+            pass                     # a damaged cache entry is simply profiled again
+    samples = latency.calibrate(lambda B, C, Q: llm.time_forward(B, C, Q, drafter=drafter), repeats=3, **grid)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps({"samples": samples}))
+    os.replace(tmp, path)            # atomic: a concurrent rank reads the old file or the new one
+    return latency
+
+
+def profile_cache_path(model, device, grid: dict):
+    """$NANOSPEC_CACHE/profiles/<hash>.json, keyed by everything the timings depend on but the weights."""
+    import platform
+    import torch
+    from .hub import cache_dir
+    dev = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
+    layers = sorted({type(m).__name__ for m in model.modules()})
+    key = json.dumps([repr(model.args), str(next(model.parameters()).dtype), dev, torch.get_num_threads(),
+                      torch.__version__, layers, grid], sort_keys=True)
+    return cache_dir() / "profiles" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
 
 def build_policy(cfg, llm) -> SpeculationPolicy | None:
@@ -680,13 +812,15 @@ def build_policy(cfg, llm) -> SpeculationPolicy | None:
     latency model with a short profile of this engine on this machine (EfficientRollout)."""
     if not (cfg.toggle or cfg.adaptive_draft_length or cfg.length_classes):
         return None
+    from .drafters.chain import members
     ladder = DraftLengthLadder(cfg.draft_ladder, cfg.ladder_up, cfg.ladder_down) if cfg.adaptive_draft_length else None
     auto_budgets = bool(cfg.length_classes) and cfg.length_class_budgets is None
-    latency, max_seqs = None, llm.scheduler.max_num_seqs
+    latency, draft_latency, max_seqs = None, None, llm.scheduler.max_num_seqs
     if cfg.toggle or auto_budgets:
-        latency, ctx = LatencyModel(), min(64, llm.max_model_len // 2)
-        latency.calibrate(llm.time_forward, batch_sizes=[b for b in (1, 8, 32) if b <= max_seqs],
-                          ctx_lens=[ctx // 2, ctx], query_lens=[1, 4, 8], repeats=3)
+        latency = profiled_latency(llm)
+    model_drafters = [d for d in members(llm.drafter) if d.needs_kv]
+    if cfg.toggle and model_drafters:
+        draft_latency = profiled_latency(llm, model_drafters[0], query_lens=(1,))
     classes = None
     if auto_budgets:    # DAS budgets per length class, from this machine's cost model
         max_k = llm.num_draft_tokens or max(cfg.draft_ladder)
@@ -695,8 +829,8 @@ def build_policy(cfg, llm) -> SpeculationPolicy | None:
     elif cfg.length_classes:
         classes = LengthClasses(cfg.length_classes, cfg.length_class_budgets)
     toggle = SpeculationToggle(latency, cfg.toggle_min_speedup) if cfg.toggle else None
-    from .drafters.chain import members
     return SpeculationPolicy(ladder=ladder, classes=classes, toggle=toggle,
                              sources=llm.drafter.sources if llm.drafter is not None else (),
                              confident_sources=[n for d in members(llm.drafter) if d.confident for n in d.sources],
-                             kv_sources=[n for d in members(llm.drafter) if d.needs_kv for n in d.sources])
+                             kv_sources=[n for d in model_drafters for n in d.sources],
+                             draft_latency=draft_latency)

@@ -150,8 +150,8 @@ class RolloutWorker:
         pred = [self.predict(p) for p in problems]
         assignment = assign_prompts(pred, self.world, self.cfg.policies.length_aware_assignment)
         llm.reset_stats()
-        if llm.policy is not None:
-            llm.policy.reset_stats()
+        if llm.controller is not None:
+            llm.controller.reset_stats()
         with no_gc_pauses():
             t0 = time.perf_counter()
             groups = [(i, self._add(problems[i], pred[i], i)) for i in assignment[self.rank]]  # longest first
@@ -159,7 +159,7 @@ class RolloutWorker:
                 llm.step()
             t_busy = time.perf_counter()
             stats = _plain_stats(llm.stats)
-            pstats = llm.policy.stats() if llm.policy is not None else {}
+            pstats = llm.controller.stats() if llm.controller is not None else {}
             signal = dist.DoneSignal()
             signal.arrive()
             drafts, t_draft = [], 0.0

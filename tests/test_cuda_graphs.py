@@ -107,7 +107,7 @@ def test_llm_emulated_graphs_match_ar_and_speculative():
     g_ar = emulated_llm(model)
     assert greedy(g_ar, prompts) == ar
     assert g_ar.runner.num_replays > 0 and set(q for _, q in g_ar.runner.graphs) == {1}
-    g_spec = emulated_llm(model, speculative={"method": "ngram", "num_draft_tokens": 4})
+    g_spec = emulated_llm(model, controller=None, speculative={"method": "ngram", "num_draft_tokens": 4})
     assert greedy(g_spec, prompts) == ar
     assert g_spec.stats["accepted_tokens"] > 0                  # verify windows Q > 1 went through graphs
     assert max(q for _, q in g_spec.runner.graphs) > 1 and g_spec.runner.num_replays > 0
@@ -179,7 +179,7 @@ def test_cuda_graph_replay_equals_eager(dtype):
 def test_cuda_spec_with_graphs_equals_ar_and_no_recapture_after_load_weights():
     model, prompts = tiny(seed=9, device="cuda"), repetitive_prompts(6)
     ar = greedy(cuda_llm(model, "float32", False), prompts, 32)
-    llm = cuda_llm(model, "float32", True, speculative={"method": "ngram", "num_draft_tokens": 4},
+    llm = cuda_llm(model, "float32", True, controller=None, speculative={"method": "ngram", "num_draft_tokens": 4},
                    prefix_caching=False)     # see test_load_weights_in_place_keeps_graphs
     r = llm.runner
     r.capture(range(1, 6))                      # decode + every verify width (k <= 4), all buckets

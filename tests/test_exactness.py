@@ -121,7 +121,7 @@ def test_greedy_speculative_is_token_identical(greedy_model, name):
     ar = ar_llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24), use_tqdm=False)
     for B in (1, 16):
         llm = LLM(model, block_size=4, max_model_len=64, max_num_seqs=16, num_kv_blocks=48,
-                  speculative=GREEDY_SPECS[name])
+                  controller=None, speculative=GREEDY_SPECS[name])
         for rnd in range(2):                     # the 2nd round drafts from the 1st round's responses
             outs = llm.generate(prompts[:B], SamplingParams(temperature=0.0, max_tokens=24), use_tqdm=False,
                                 prompt_keys=keys[:B])
@@ -168,7 +168,7 @@ def test_greedy_speculation_up_to_max_model_len(greedy_model):
     params = SamplingParams(temperature=0.0, max_tokens=40)
     long = LLM(greedy_model, block_size=4, max_model_len=64).generate(prompts, params, use_tqdm=False)
     ar = LLM(greedy_model, block_size=4, max_model_len=20).generate(prompts, params, use_tqdm=False)
-    llm = LLM(greedy_model, block_size=4, max_model_len=20, speculative={"method": "prior", "num_draft_tokens": 5})
+    llm = LLM(greedy_model, block_size=4, max_model_len=20, controller=None, speculative={"method": "prior", "num_draft_tokens": 5})
     for p, o in zip(prompts, long):
         llm.drafter.add(tuple(p), o.token_ids)                 # cached runs reach past the limit
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -183,7 +183,7 @@ def test_speculative_prefill_verifies_the_opening_in_the_prefill_forward(greedy_
     prompts = repetitive_prompts(4, seed=3)
     params = SamplingParams(temperature=0.0, max_tokens=20)
     ar = LLM(greedy_model, block_size=4, max_model_len=64).generate(prompts, params, use_tqdm=False)
-    llm = LLM(greedy_model, block_size=4, max_model_len=64, speculative={"method": "prior", "num_draft_tokens": 5})
+    llm = LLM(greedy_model, block_size=4, max_model_len=64, controller=None, speculative={"method": "prior", "num_draft_tokens": 5})
     for p, o in zip(prompts, ar):
         llm.drafter.add(tuple(p), o.token_ids)
     seqs = [s for i, p in enumerate(prompts) for s in llm.add_request(p, params, i)]
@@ -203,7 +203,7 @@ def test_greedy_rows_exact_next_to_sampled_rows_and_stochastic_drafts(greedy_mod
     ar = LLM(model, block_size=4, max_model_len=64).generate(prompts, SamplingParams(temperature=0.0,
                                                              max_tokens=20), use_tqdm=False)
     q = torch.softmax(torch.randn(K, 64, generator=torch.Generator().manual_seed(0)) * 3, -1)
-    llm = LLM(model, block_size=4, max_model_len=64, speculative={"method": "prior", "num_draft_tokens": K})
+    llm = LLM(model, block_size=4, max_model_len=64, controller=None, speculative={"method": "prior", "num_draft_tokens": K})
     llm.drafter = ChainDrafter([llm.drafter, RandomQDrafter(q, only=lambda s: s.seq_id % 2 == 0)])
     for p, r in zip(prompts, ar):
         llm.drafter.drafters[0].add(tuple(p), r.token_ids[:12] + [(t + 1) % 64 for t in r.token_ids[12:]])
@@ -225,10 +225,10 @@ def test_seeded_sampling_with_speculation_is_batch_invariant(greedy_model):
     prompts = repetitive_prompts(6, seed=2)
     spec = {"method": "ngram", "num_draft_tokens": K}
     params = SamplingParams(temperature=1.0, max_tokens=24, seed=7)
-    batched = LLM(greedy_model, block_size=4, max_model_len=64, speculative=spec).generate(
+    batched = LLM(greedy_model, block_size=4, max_model_len=64, controller=None, speculative=spec).generate(
         prompts, params, use_tqdm=False)
     for i in (0, 3):
-        alone = LLM(greedy_model, block_size=4, max_model_len=64, speculative=spec).generate(
+        alone = LLM(greedy_model, block_size=4, max_model_len=64, controller=None, speculative=spec).generate(
             [prompts[i]], params, use_tqdm=False)[0]
         assert alone.token_ids == batched[i].token_ids, i
 
@@ -343,7 +343,7 @@ def tv_noise(dist, n, draws=20):
 def sample_with(model, spec, params, drafter=None, setup=None, n=N, **llm_kw):
     """n samples of PROMPT in batches of 5000; drafter replaces the configured one if given."""
     llm = LLM(model, block_size=4, max_model_len=16, max_num_seqs=5000, num_kv_blocks=20_000,
-              speculative=spec, seed=1234, **llm_kw)
+              controller=None, speculative=spec, seed=1234, **llm_kw)
     if drafter is not None:
         llm.drafter = drafter
     if setup is not None:
@@ -469,10 +469,10 @@ def _exact_case(model, exact, case, key, **llm_kw):
         def setup(llm):
             from nanospec.config import PoliciesConfig
             from nanospec.policies import build_policy
-            llm.policy = build_policy(PoliciesConfig(length_classes=[], draft_ladder=[1, 2, 3]), llm)
+            llm.controller = build_policy(PoliciesConfig(length_classes=[], draft_ladder=[1, 2, 3]), llm)
     llm, outs = sample_with(model, spec, params, drafter, setup, **llm_kw)
     if case == "prior_suffix_policies":     # the per-token trimming ran (it cut ~half the drafts here)
-        assert "suffix" in llm.policy.calibration._counts
+        assert "suffix" in llm.controller.calibration._counts
     check_exact(llm, outs, dist, f"{case}/{key}")
     check_logprobs(model, outs, params)
     assert any(any(o.from_verify) for o in outs)

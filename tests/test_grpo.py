@@ -245,6 +245,6 @@ def test_sft_only_builds_a_draft_model_the_engine_accepts(tmp_path):
     prompts = [format_prompt(build_tokenizer(), p) for p in ("a 3 b 7 ?", "a 1 ?")]
     sp = SamplingParams(temperature=0, max_tokens=12, n=2)
     ar = LLM(target).generate(prompts, sp, use_tqdm=False)
-    spec = LLM(target, speculative={"method": "draft_model", "model": str(out), "num_draft_tokens": 3})
+    spec = LLM(target, controller=None, speculative={"method": "draft_model", "model": str(out), "num_draft_tokens": 3})
     assert [o.token_ids for o in spec.generate(prompts, sp, use_tqdm=False)] == [o.token_ids for o in ar]
     assert spec.stats["per_drafter"]["draft_model"]["proposed"] > 0

@@ -349,3 +349,74 @@ def test_confidence_calibration_learns_measured_acceptance_per_position_and_bin(
     assert cal("suffix", 7, 0.98) == 0.98 and cal("prior", 0, 0.55) == 0.55   # no data there: raw
     cal.observe("prior", [0.5, 0.5], 2)
     assert cal("prior", 1, 0.5) == pytest.approx((1 + 8 * 0.5) / (1 + 8))
+
+
+def test_best_k_prices_a_model_drafter_per_draft_token():
+    """A drafter with its own model pays one forward per draft token: that shortens the best k."""
+    lat = LatencyModel(coef=[1, 0, 0.01, 0, 0])      # B=1: verify of k tokens ~ a decode (overhead-bound)
+    assert best_k(lat, 1, 10, 0.9, max_k=8)[0] == 8                                    # free drafts
+    k, s = best_k(lat, 1, 10, 0.9, max_k=8, draft_time_per_token=0.25)                 # each 1/4 decode
+    assert 1 < k < 8 and s == pytest.approx(max(
+        (1 + sum(0.9 ** i for i in range(1, j + 1))) * 1.01 / (0.25 * j + 1 + 0.01 * (j + 1)) for j in range(1, 9)))
+    assert best_k(lat, 1, 10, 0.9, max_k=8, draft_time_per_token=2.0)[1] < 1           # too slow: never pays
+
+
+def test_speedup_guard_suspends_speculation_that_measures_slower_than_plain_decoding():
+    from nanospec.policies import SpeedupGuard
+    g = SpeedupGuard(min_steps=4, gap=3, max_gap=6, decay=1.0)
+    for _ in range(30):
+        g.observe(False, 1.1, 1.0, 1.0)              # plain steps measure 10% above the model
+    assert g.ar_bias == pytest.approx(1.1, rel=0.01)
+    for _ in range(4):                               # 1.5 tokens per row in 1.5 s: 1.1x plain decoding
+        assert g.allows()
+        g.observe(True, 1.5, 1.0, 1.5)
+    assert g.trips == 0 and g.realized_speedup() == pytest.approx(1.1, rel=0.01)
+    g._restart()
+    for _ in range(4):                               # 1.2 tokens per row in 1.5 s: slower than plain
+        assert g.allows()
+        g.observe(True, 1.5, 1.0, 1.2)
+    assert g.trips == 1
+    assert [g.allows() for _ in range(4)] == [False] * 3 + [True]      # suspended for `gap` steps
+    for _ in range(4):
+        g.observe(True, 1.5, 1.0, 1.2)
+    assert g.trips == 2 and sum(not g.allows() for _ in range(8)) == 6  # the gap doubled (capped at 6)
+    g.reset()
+    assert g.allows() and g.trips == 0
+    with pytest.raises(ValueError, match="gap"):
+        SpeedupGuard(gap=0)
+
+
+def test_llm_is_adaptive_by_default_and_fixed_k_on_request(tmp_path, monkeypatch):
+    """LLM(speculative=...) builds the cost-model controller itself (profile cached on disk); with an
+    always-wrong drafter it stops drafting after a few verify steps, where controller=None keeps
+    drafting k per step. Outputs are the same either way."""
+    from conftest import make_hf_model
+    from nanospec import LLM, SamplingParams
+    from nanospec.drafters.base import Drafter, Proposal
+    from nanospec.policies import SpeculationPolicy
+    monkeypatch.setenv("NANOSPEC_CACHE", str(tmp_path / "cache"))
+    d, _ = make_hf_model(tmp_path / "m", vocab_size=64, max_pos=128)
+
+    class Wrong(Drafter):                            # drafts the token after the target's argmax: never right
+        name = "wrong"
+
+        def propose(self, seqs, ks):
+            return Proposal([[(s.last_token + 1) % 64] * k for s, k in zip(seqs, ks)], sources=["wrong"] * len(seqs))
+    sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    prompts = [[1, 2, 3], [4, 5]]
+    ar = [o.token_ids for o in LLM(d, max_model_len=64).generate(prompts, sp, use_tqdm=False)]
+    runs = {}
+    for controller in ("auto", None):
+        llm = LLM(d, max_model_len=64, controller=controller, speculative={"method": "ngram", "num_draft_tokens": 4})
+        llm.drafter = Wrong()
+        assert [o.token_ids for o in llm.generate(prompts, sp, use_tqdm=False)] == ar
+        runs[controller] = llm
+    auto, fixed = runs["auto"], runs[None]
+    assert isinstance(auto.controller, SpeculationPolicy) and auto.controller.toggle is not None
+    assert auto.controller.ladder is None and auto.controller.classes is None and fixed.controller is None
+    assert fixed.stats["proposed_tokens"] >= 4 * 39 and auto.stats["proposed_tokens"] <= 24
+    assert len(list((tmp_path / "cache" / "profiles").glob("*.json"))) == 1
+    monkeypatch.setattr(LLM, "time_forward", lambda *a, **k: pytest.fail("profiled again despite the cache"))
+    LLM(d, max_model_len=64, speculative={"method": "ngram", "num_draft_tokens": 4})
+    with pytest.raises(ValueError, match="controller: expected 'auto', None"):
+        LLM(d, max_model_len=64, controller="on", speculative={"method": "ngram", "num_draft_tokens": 4})

@@ -103,7 +103,7 @@ def test_model_drafters_on_real_weights_are_greedy_exact(llm, smollm2, gsm8k_pro
     _, _, prompts = gsm8k_prompts
     if spec["method"] == "draft_model":
         spec = dict(spec, model=smollm2)       # the model as its own draft: every draft is accepted
-    sp = LLM(smollm2, tokenizer=llm.tokenizer, speculative=spec, kv_cache_gib=0.25)
+    sp = LLM(smollm2, tokenizer=llm.tokenizer, controller=None, speculative=spec, kv_cache_gib=0.25)
     params = SamplingParams(temperature=0.0, max_tokens=16)
     want = llm.generate(prompts[:2], params, use_tqdm=False)
     got = sp.generate(prompts[:2], params, use_tqdm=False)

@@ -41,9 +41,9 @@ def problems(n=16):
 
 
 def make_llm(model_dir, tok, seed=0, spec=SPEC, cfg=None):
-    llm = LLM(model_dir, tokenizer=tok, max_model_len=128, max_num_seqs=32, block_size=16, speculative=spec,
+    llm = LLM(model_dir, tokenizer=tok, max_model_len=128, max_num_seqs=32, block_size=16, controller=None, speculative=spec,
               seed=seed)
-    llm.policy = build_policy(cfg.policies, llm) if cfg is not None else None
+    llm.controller = build_policy(cfg.policies, llm) if cfg is not None else None
     return llm
 
 
@@ -145,8 +145,8 @@ def test_bubble_drafts_are_exact_chi_square(tmp_path):
     cfg = Config(grpo=GRPOConfig(num_generations=5000, max_completion_length=4, temperature=1.0),
                  policies=PoliciesConfig(toggle=False, length_classes=[]))
     llm = LLM(path, tokenizer=tok, block_size=4, max_model_len=16, max_num_seqs=5000, num_kv_blocks=20_000,
-              speculative=[{"method": "prior", "num_draft_tokens": 3}], seed=1234)
-    llm.policy = build_policy(cfg.policies, llm)                  # ladder only (clips per source)
+              controller=None, speculative=[{"method": "prior", "num_draft_tokens": 3}], seed=1234)
+    llm.controller = build_policy(cfg.policies, llm)                  # ladder only (clips per source)
     w = RolloutWorker(llm, tok, cfg)
     true = {k: v.clone() for k, v in llm.model.state_dict().items()}
     g = torch.Generator().manual_seed(0)

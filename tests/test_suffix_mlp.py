@@ -56,9 +56,9 @@ def test_suffix_mlp_sampling_is_exact_under_the_policies(v8, exact):
     counts = counting(drafter)
 
     def setup(llm):
-        llm.policy = build_policy(PoliciesConfig(length_classes=[], draft_ladder=[1, 2, 3]), llm)
+        llm.controller = build_policy(PoliciesConfig(length_classes=[], draft_ladder=[1, 2, 3]), llm)
     llm, outs = sample_with(v8, {"method": "suffix", "num_draft_tokens": K}, TEMP1, drafter=drafter, setup=setup)
-    assert "suffix_mlp" in llm.policy.calibration._counts and counts["mlp"] > 500
+    assert "suffix_mlp" in llm.controller.calibration._counts and counts["mlp"] > 500
     check_exact(llm, outs, exact["temp1"], "suffix_mlp/policies")
 
 
@@ -68,7 +68,7 @@ def test_suffix_mlp_greedy_is_token_identical_and_logprobs_match(tiny_models):
     params = SamplingParams(temperature=0.0, max_tokens=24)
     ar = LLM(model, block_size=4, max_model_len=64).generate(prompts, params, use_tqdm=False)
     llm = LLM(model, block_size=4, max_model_len=64, num_kv_blocks=40,
-              speculative={"method": "suffix", "num_draft_tokens": K})       # K: the engine's draft bound
+              controller=None, speculative={"method": "suffix", "num_draft_tokens": K})       # K: the engine's draft bound
     llm.drafter = SuffixMLPDrafter(peaked_mlp(llm.vocab_size, scale=1.0), min_path_prob=0.0)
     for _ in range(2):      # the second round drafts from the first round's responses
         outs = llm.generate(prompts, params, use_tqdm=False, prompt_keys=list(range(8)))
@@ -101,23 +101,23 @@ def test_distill_imitates_the_target_and_round_trips(tiny_models, tmp_path):
     with torch.inference_mode():
         torch.testing.assert_close(loaded(win), mlp(win))
     spec = {"method": "suffix_mlp", "model": str(tmp_path / "mlp"), "num_draft_tokens": 4}
-    engine = LLM(path, speculative=spec)
+    engine = LLM(path, controller=None, speculative=spec)
     assert isinstance(engine.drafter, SuffixMLPDrafter) and engine.drafter.stochastic
     NGramMLP(llm.vocab_size + 1, n=3).save(tmp_path / "other")
     with pytest.raises(ValueError, match="vocab_size"):
-        LLM(path, speculative={**spec, "model": str(tmp_path / "other")})
+        LLM(path, controller=None, speculative={**spec, "model": str(tmp_path / "other")})
     with pytest.raises(ValueError, match="holds no n-gram MLP"):
-        LLM(path, speculative={**spec, "model": str(tmp_path)})
+        LLM(path, controller=None, speculative={**spec, "model": str(tmp_path)})
     with pytest.raises(ValueError, match="override"):
-        LLM(path, speculative={**spec, "override": 2.0})
+        LLM(path, controller=None, speculative={**spec, "override": 2.0})
     with pytest.raises(ValueError, match="unknown option"):
-        LLM(path, speculative={**spec, "depth": 8})
+        LLM(path, controller=None, speculative={**spec, "depth": 8})
 
 
 def test_untrained_mlp_learns_online_from_observed_rollouts(tiny_models):
     """Without a distilled model the MLP starts untrained (never confident: the drafter is the suffix
     tree) and next_step() trains it on the rollouts observed since the last step."""
-    llm = LLM(tiny_models["llama"][0], max_num_seqs=32, speculative={"method": "suffix_mlp", "num_draft_tokens": 4})
+    llm = LLM(tiny_models["llama"][0], max_num_seqs=32, controller=None, speculative={"method": "suffix_mlp", "num_draft_tokens": 4})
     drafter = llm.drafter
     prompts = repetitive_prompts(8, seed=7)
     outs = llm.generate(prompts, SamplingParams(temperature=1.0, max_tokens=16, n=4, seed=0), use_tqdm=False)
@@ -137,7 +137,7 @@ def test_untrained_mlp_learns_online_from_observed_rollouts(tiny_models):
     assert not drafter.mlp.training
     # a GRPO checkpoint keeps what it learned (checkpoint.engine_state: trie, examples, MLP, optimizer)
     from nanospec.checkpoint import engine_state, load_engine_state
-    resumed = LLM(tiny_models["llama"][0], max_num_seqs=32, speculative={"method": "suffix_mlp", "num_draft_tokens": 4})
+    resumed = LLM(tiny_models["llama"][0], max_num_seqs=32, controller=None, speculative={"method": "suffix_mlp", "num_draft_tokens": 4})
     load_engine_state(resumed, engine_state(llm))
     other = resumed.drafter
     with torch.inference_mode():
