@@ -7,7 +7,10 @@ Prefix caching (as in vLLM / nano-vllm): every *full* prompt block gets a hash c
 tokens before it. The G samples of a GRPO group have identical prompts, so the 2nd..G-th sample find
 the first sample's blocks by hash and share them (ref count), and those tokens are prefilled once.
 A freed block keeps its hash until it is handed out again, so a prompt seen in the previous step can
-still hit. Only tokens after the last shared full block are computed per sample.
+still hit. Only tokens after the last shared full block are computed per sample; when every block of
+the prompt is shared, only its last token is (its logits are needed to sample). That token's K/V is
+then written again into the shared block: the same tokens at the same positions, the same values,
+as in vLLM. A partial last block is never shared (it will hold the sample's own tokens).
 """
 from __future__ import annotations
 
@@ -47,13 +50,13 @@ class BlockManager:
     def allocate_prefill(self, seq: Sequence, length: int) -> bool:
         """Blocks for positions [0, length) of a sequence with no blocks; reuses cached prompt blocks.
 
-        Sets seq.num_computed to the number of tokens whose KV is already there. At least the last
-        position is always left to compute (its logits are needed). Returns False if it does not fit.
+        Sets seq.num_computed to the number of tokens whose KV is already there, at most length - 1:
+        the last position is always computed (its logits are needed). Returns False if it does not fit.
         """
         assert not seq.block_table
         bs, tokens = self.block_size, seq.token_ids
         hashes, h = [], 0
-        for b in range(min(seq.num_prompt_tokens, length - 1) // bs):   # full blocks only
+        for b in range(min(seq.num_prompt_tokens, length) // bs):   # full blocks only
             h = hash((h, tuple(tokens[b * bs:(b + 1) * bs])))
             hashes.append(h)
         hits = []
@@ -72,7 +75,7 @@ class BlockManager:
                 del self.free_blocks[block]
             self.ref_count[block] += 1
             seq.block_table.append(block)
-        seq.num_computed = len(hits) * bs
+        seq.num_computed = min(len(hits) * bs, length - 1)
         for i in range(len(hits), -(-length // bs)):
             block = self._take()
             if self.prefix_caching and i < len(hashes):

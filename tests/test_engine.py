@@ -275,12 +275,12 @@ def test_prefix_sharing_n4(models, P):
     llm = LLM(model, block_size=bs, max_model_len=64)
     seqs = llm.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=12, n=4))
     llm.step()                                                   # the prefill step
-    full = (P - 1) // bs                                         # full blocks shared (last token computed)
+    full = P // bs                                               # full blocks shared
     tables = [s.block_table for s in seqs]
     assert all(t[:full] == tables[0][:full] for t in tables)
     assert len({b for t in tables for b in t[full:]}) == 4 * (len(tables[0]) - full)   # the rest private
     assert all(llm.blocks.ref_count[b] == 4 for b in tables[0][:full])
-    assert llm.stats["prefill_tokens"] == P + 3 * (P - full * bs)
+    assert llm.stats["prefill_tokens"] == P + 3 * max(P - full * bs, 1)   # all shared: the last token
     while llm.scheduler.has_work():
         llm.step()
     assert [llm.output(s).token_ids for s in seqs] == [one[0].token_ids] * 4
@@ -537,7 +537,7 @@ def test_stop_inside_an_accepted_run_counts_only_the_drafts_before_it(models):
     model, p = models["llama"], ragged_prompts(1, seed=5, lo=3, hi=6)[0]
     ref = LLM(model, block_size=4).generate([p], SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)[0]
     i = next(i for i in range(2, 9) if ref.token_ids[i] not in ref.token_ids[:i])   # a stop first seen at i
-    llm = LLM(model, block_size=4, speculative={"method": "prior", "num_draft_tokens": 8})
+    llm = LLM(model, block_size=4, controller=None, speculative={"method": "prior", "num_draft_tokens": 8})
     llm.drafter.add(tuple(p), ref.token_ids)               # the greedy answer itself: every draft is right
     out = llm.generate([p], SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[ref.token_ids[i]]),
                        use_tqdm=False)[0]
@@ -555,7 +555,7 @@ def test_abort_frees_blocks_and_leaves_others_unchanged(models, spec):
     model = models["qwen2"]
     reqs = _mixed_requests(n=6, max_tokens=16)
     ref = run_requests(LLM(model, block_size=4, max_model_len=64), reqs)
-    llm = LLM(model, block_size=4, max_model_len=64, num_kv_blocks=24, speculative=spec)
+    llm = LLM(model, block_size=4, max_model_len=64, num_kv_blocks=24, controller=None, speculative=spec)
     start = llm.num_free_blocks
     seqs = [s for i, (p, sp) in enumerate(reqs) for s in llm.add_request(p, sp, i)]
     waiting_victim = llm.add_request([1, 2, 3, 4, 5], SamplingParams(max_tokens=16), 99)[0]
@@ -599,3 +599,15 @@ def test_sleep_frees_the_kv_pool_and_wake_up_restores_it(models):
     llm.add_request(prompts[0], GREEDY)
     with pytest.raises(RuntimeError, match="still running"):
         llm.sleep()
+
+
+def test_prefix_cache_recomputes_only_the_last_token(models):
+    """8 requests with one 96-token prompt (6 full blocks of 16): the first computes 96 tokens, each later
+    one only the last (vLLM's rule), 103 in all; outputs equal those without prefix caching."""
+    model, prompt = models["llama"], ragged_prompts(1, seed=96, lo=96, hi=96)[0]
+    sp = SamplingParams(temperature=1.0, max_tokens=8)      # the engine's generator: same draws in both
+    on, off = (LLM(model, block_size=16, max_model_len=128, prefix_caching=c) for c in (True, False))
+    outs = [llm.generate([prompt] * 8, sp, use_tqdm=False) for llm in (on, off)]
+    assert on.stats["prefill_tokens"] == 96 + 7 and off.stats["prefill_tokens"] == 8 * 96
+    assert [o.token_ids for o in outs[0]] == [o.token_ids for o in outs[1]]
+    assert [x for o in outs[0] for x in o.logprobs] == pytest.approx([x for o in outs[1] for x in o.logprobs], abs=1e-5)
