@@ -47,7 +47,7 @@ def test_greedy_token_identical_to_ar(dirs, kv, n):
     prompts = ragged_prompts(n, n)
     ar = LLM(dirs["target"], **kv).generate(prompts, sp, use_tqdm=False)
     for spec in specs:
-        llm = LLM(dirs["target"], speculative=spec, **kv)
+        llm = LLM(dirs["target"], controller=None, speculative=spec, **kv)
         out = llm.generate(prompts, sp, use_tqdm=False)
         assert [o.token_ids for o in out] == [o.token_ids for o in ar], spec
         for o, a in zip(out, ar):
@@ -58,7 +58,7 @@ def test_greedy_token_identical_to_ar(dirs, kv, n):
 
 
 def acceptance(d, spec, prompts):
-    llm = LLM(d, speculative=spec)
+    llm = LLM(d, controller=None, speculative=spec)
     ar = LLM(d).generate(prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)
     out = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)
     assert [o.token_ids for o in out] == [o.token_ids for o in ar]
@@ -98,7 +98,7 @@ def test_q_is_exactly_the_sampled_distribution(dirs, method, filters):
     through ragged drop-out, 2-token catch-up and preemption recompute; emitted logprobs == target's."""
     spec = self_spec(4) if method == "self" else {"method": "draft_model", "model": dirs["draft"],
                                                   "num_draft_tokens": 4}
-    llm = LLM(dirs["target"], speculative=spec, **TINY_KV)
+    llm = LLM(dirs["target"], controller=None, speculative=spec, **TINY_KV)
     log = []
     d = spy(llm, log)
     f = [dict(top_k=5), dict(top_p=0.8)] if filters else [{}, {}]
@@ -137,7 +137,7 @@ def test_q_is_exactly_the_sampled_distribution(dirs, method, filters):
 
 
 def test_refresh_requantizes_in_place(dirs):
-    llm = LLM(dirs["target"], speculative=self_spec())
+    llm = LLM(dirs["target"], controller=None, speculative=self_spec())
     d = llm.drafter
     lin = d.quantized["model.layers.1.mlp.down_proj"]
     ptrs = (lin.weight.data_ptr(), lin.weight.quant_state.absmax.data_ptr())
@@ -176,12 +176,23 @@ def test_refresh_requantizes_in_place(dirs):
 def test_bad_configs_fail_at_startup(dirs, tmp_path):
     small = model_dir(tmp_path / "v48", words=WORDS[:41], vocab_size=48)
     with pytest.raises(ValueError, match="vocab_size 48") as e:
-        LLM(dirs["target"], speculative={"method": "draft_model", "model": small})
+        LLM(dirs["target"], controller=None, speculative={"method": "draft_model", "model": small})
     assert small in str(e.value) and dirs["target"] in str(e.value)
     other = model_dir(tmp_path / "tok", words=[f"x{i}" for i in range(57)], hidden_size=32, layers=1)
     with pytest.raises(ValueError, match="tokenizer of draft model"):
-        LLM(dirs["target"], speculative={"method": "draft_model", "model": other})
+        LLM(dirs["target"], controller=None, speculative={"method": "draft_model", "model": other})
     with pytest.raises(ValueError, match="'model'"):
-        LLM(dirs["target"], speculative={"method": "draft_model"})
+        LLM(dirs["target"], controller=None, speculative={"method": "draft_model"})
     with pytest.raises(ValueError, match="unknown option.*'model'"):
-        LLM(dirs["target"], speculative={"method": "self", "model": small})
+        LLM(dirs["target"], controller=None, speculative={"method": "self", "model": small})
+
+
+def test_self_drafter_any_hidden_size(tmp_path):
+    """hidden 80 (no NF4 block size divides it): those layers stay full precision, named in a warning;
+    the MLP's down_proj (in_features 160, a multiple of 32) is quantized; greedy is exact."""
+    d = model_dir(tmp_path / "w80", hidden_size=80, heads=4, kv_heads=2, seed=9)
+    with pytest.warns(UserWarning, match=r"6 of 8 layers stay in full precision.*qkv_proj \(in_features 80\)"):
+        acc, llm = acceptance(d, self_spec(), ragged_prompts(4))
+    names = set(llm.drafter.quantized)
+    assert names and all(n.endswith("down_proj") for n in names)
+    assert llm.drafter.checksum_matches(llm.model) and acc > 0.5

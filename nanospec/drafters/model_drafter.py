@@ -19,7 +19,8 @@ Self-drafter: a structural copy of the policy whose decoder-layer Linears are bi
 a weight sync updates them for free). refresh() re-quantizes into the existing 4-bit buffers.
 bitsandbytes 0.50.2 on CPU needs three choices, each checked in tests/test_model_drafters.py:
  * blocksize 64 (or 32) must divide in_features: quantize_4bit blocks the flattened weight, but the
-   CPU dequantize kernel assumes blocks never straddle rows and returns wrong weights otherwise;
+   CPU dequantize kernel assumes blocks never straddle rows and returns wrong weights otherwise (a
+   layer where neither does stays in full precision, with a warning naming it);
  * compress_statistics=False: absmax stays a plain fp32 [blocks] tensor, copyable in place and
    exactly comparable (double quantization would nest an 8-bit absmax with its own state);
  * support_avx512bf16_for_cpu=False: otherwise the first forward repacks the weight into a bf16-scale
@@ -29,6 +30,7 @@ On CPU NF4 is a correctness path (dequantize + matmul per layer), not a speed pa
 from __future__ import annotations
 
 import copy
+import warnings
 from pathlib import Path
 
 import torch
@@ -131,13 +133,13 @@ def _quantize(w: torch.Tensor, blocksize: int):
                             quant_type="nf4")
 
 
-def _linear4bit(name: str, lin: nn.Linear) -> nn.Module:
+def _linear4bit(lin: nn.Linear) -> nn.Module | None:
+    """The NF4 copy of `lin`, or None where no block size divides its in_features (see the docstring)."""
     from bitsandbytes.nn import Linear4bit, Params4bit
     N, K = lin.weight.shape
     bs = next((b for b in (64, 32) if K % b == 0), None)
     if bs is None:
-        raise ValueError(f"speculative[self]: {name} has in_features {K}, expected a multiple of 32 "
-                         "(bitsandbytes' CPU NF4 kernel needs quantization blocks aligned to rows)")
+        return None
     q = Linear4bit(K, N, bias=lin.bias is not None, compute_dtype=lin.weight.dtype,
                    compress_statistics=False, quant_type="nf4", device="meta")
     w4, qs = _quantize(lin.weight, bs)
@@ -151,14 +153,23 @@ def _linear4bit(name: str, lin: nn.Linear) -> nn.Module:
 def quantize_policy(policy: nn.Module) -> tuple[nn.Module, dict[str, nn.Module]]:
     """-> (NF4 copy of `policy` sharing all non-quantized Parameters, {module name: Linear4bit}).
 
-    deepcopy with every Parameter pre-seeded in the memo copies the module tree but no weights."""
+    deepcopy with every Parameter pre-seeded in the memo copies the module tree but no weights. A layer
+    whose in_features is not a multiple of 32 stays the policy's own full-precision Linear (shared, so
+    a weight sync updates it too), and a warning names each one: any hidden size works."""
     model = copy.deepcopy(policy, memo={id(p): p for p in policy.parameters()})
-    quantized = {}
+    quantized, kept = {}, []
     for name, mod in list(model.named_modules()):
         if isinstance(mod, nn.Linear) and name.startswith("model.layers."):
+            q = _linear4bit(mod)
+            if q is None:
+                kept.append(f"{name} (in_features {mod.in_features})")
+                continue
             parent, attr = name.rsplit(".", 1)
-            quantized[name] = _linear4bit(name, mod)
-            setattr(model.get_submodule(parent), attr, quantized[name])
+            quantized[name] = q
+            setattr(model.get_submodule(parent), attr, q)
+    if kept:
+        warnings.warn(f"speculative[self]: {len(kept)} of {len(kept) + len(quantized)} layers stay in full "
+                      f"precision (bitsandbytes' CPU NF4 kernel needs in_features % 32 == 0): {', '.join(kept)}")
     return model.eval(), quantized
 
 
