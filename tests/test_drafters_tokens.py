@@ -65,12 +65,21 @@ def test_ngram_incremental_matches_brute_force():
 
 
 # ---- suffix tree ----------------------------------------------------------------------------------
+def kids(node):
+    """A trie node's children: a dict from the second child on, before that only `best`."""
+    if node.children is not None:
+        return node.children
+    return {node.best.tok: node.best} if node.best is not None else {}
+
+
 def trie_paths(trie):
     """{path: node} for every node; also checks the structural invariants."""
     out, stack = {}, [((), trie.root)]
     while stack:
         path, node = stack.pop()
-        for t, c in node.children.items():
+        assert node.cont == sum(c.count for c in kids(node).values())
+        for t, c in kids(node).items():
+            assert c.tok == t
             assert 0 < c.count <= (node.count if node is not trie.root else c.count) and c.depth == len(path) + 1
             out[path + (t,)] = c
             stack.append((path + (t,), c))
@@ -82,7 +91,7 @@ def trie_paths(trie):
 
 
 def test_suffix_sibling_continuation_after_observe():
-    d = SuffixDrafter(depth=8)
+    d = SuffixDrafter(depth=8, use_global=False)
     prompt = [10, 11, 12]
     running = mkseq(prompt, [1, 2], key="q")
     assert d.propose([running], [3]).tokens == [[]]          # only the prompt is known
@@ -98,30 +107,37 @@ def test_suffix_sibling_continuation_after_observe():
 
 def test_suffix_min_prob_and_match_length_bound():
     prompt = [10, 11, 12]
-    for min_prob, want in [(0.6, [3]), (0.4, [3, 4, 5])]:
-        d = SuffixDrafter(depth=8, min_prob=min_prob)
+    for min_prob, want in [(0.6, [3]), (0.4, [3, 7, 8])]:
+        d = SuffixDrafter(depth=8, min_prob=min_prob, alpha=1.0, shrink=0.0, use_global=False)
         d.observe(mkseq(prompt, [1, 2, 3, 4, 5], key="q"))
         d.observe(mkseq(prompt, [1, 2, 3, 7, 8], key="q"))
-        # after (.., 3): children 4 and 7 each 1/2 -> path prob 0.5
+        # after (.., 3): children 4 and 7 each 1/2 (a tie goes to the latest) -> path prob 0.5
         p = d.propose([mkseq(prompt, [1, 2], key="q")], [3])
-        assert p.tokens == [want] and p.confidence == [[1.0, 0.5, 1.0][:len(want)]]   # count / parent's
+        assert p.tokens == [want] and p.confidence == [[1.0, 0.5, 1.0][:len(want)]]   # shrink 0: frequencies
     # a diverged sample matches only the 1-token suffix (3): draft <= max(1, alpha * 1) = 1 token
-    assert d.propose([mkseq(prompt, [9, 3], key="q")], [4]).tokens == [[4]]
-    d2 = SuffixDrafter(depth=8, alpha=2.0)
+    assert d.propose([mkseq(prompt, [9, 3], key="q")], [4]).tokens == [[7]]
+    d2 = SuffixDrafter(depth=8, alpha=2.0, shrink=0.0, use_global=False)
     d2.observe(mkseq(prompt, [1, 2, 3, 4, 5], key="q"))
     assert d2.propose([mkseq(prompt, [9, 3], key="q")], [4]).tokens == [[4, 5]]
 
 
 def test_suffix_window_eviction():
-    d = SuffixDrafter(depth=8, window=2)
+    d = SuffixDrafter(depth=8, window=2, use_global=False)
     prompt = [10, 11, 12]
+
+    def draft(completion):          # a sample that leaves the engine at once (free: its text goes)
+        s = mkseq(prompt, completion, key="q")
+        tokens = d.propose([s], [2]).tokens
+        d.free(s)
+        return tokens
+
     d.observe(mkseq(prompt, [1, 2, 3, 4], key="q"))
     d.next_step()
     d.observe(mkseq(prompt, [5, 6, 7, 8], key="q"))
-    assert d.propose([mkseq(prompt, [1, 2], key="q")], [2]).tokens == [[3, 4]]   # 1 step old: kept
+    assert draft([1, 2]) == [[3, 4]]                            # 1 step old: kept
     d.next_step()
-    assert d.propose([mkseq(prompt, [1, 2], key="q")], [2]).tokens == [[]]       # 2 steps old: gone
-    assert d.propose([mkseq(prompt, [5, 6], key="q")], [2]).tokens == [[7, 8]]
+    assert draft([1, 2]) == [[]]                                # 2 steps old: gone
+    assert draft([5, 6]) == [[7, 8]]
     d.next_step()
     d.next_step()
     assert "q" not in d._trees                                  # idle prompt's trie dropped
@@ -161,7 +177,7 @@ def test_suffix_memory_bound_and_removal_exact():
 
 def test_suffix_global_fallback():
     for use_global, want in [(True, [4, 5, 6]), (False, [])]:
-        d = SuffixDrafter(depth=8, use_global=use_global)
+        d = SuffixDrafter(depth=8, use_global=use_global, shrink=0.0)
         d.observe(mkseq([30, 31], [1, 2, 3, 4, 5, 6], key="a"))
         assert d.propose([mkseq([40, 41], [1, 2, 3], key="b")], [3]).tokens == [want]
 
@@ -259,7 +275,7 @@ def test_chain_order_and_one_hot_q():
 def test_chain_lenient_merge_and_hooks():
     with pytest.warns(UserWarning):
         prior = PriorRolloutDrafter(lenience=4.0)
-    suffix = SuffixDrafter(depth=8)
+    suffix = SuffixDrafter(depth=8, shrink=0.0)
     chain = ChainDrafter([prior, suffix])
     assert chain.lossy and not chain.stochastic and not chain.needs_kv
     chain.observe(mkseq([9], [1, 2, 3, 4], key="q", logprobs=[-1.0] * 4))   # both learn it
@@ -301,7 +317,7 @@ def test_every_draft_respects_budget(which):
     prompt = [1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3, 4, 5, 6, 7, 8, 1, 2]
     with pytest.warns(UserWarning):
         prior = PriorRolloutDrafter(lenience=2.0)
-    d = {"ngram": NgramDrafter(), "suffix": SuffixDrafter(depth=32), "prior": prior,
+    d = {"ngram": NgramDrafter(), "suffix": SuffixDrafter(depth=32, shrink=0.0), "prior": prior,
          "chain": ChainDrafter([PriorRolloutDrafter(), SuffixDrafter(), NgramDrafter(), FakeStochastic()])}[which]
     d.observe(mkseq(prompt, list(range(30, 60)), key="q"))
     head = list(range(30, 60)) if which == "ngram" else []   # n-gram only reads its own context

@@ -1,52 +1,93 @@
-"""Suffix-tree drafter over recent rollouts of the same prompt (DAS, distribution-aware spec. decoding).
+"""Suffix-tree drafter: a prompt's recent rollouts and each sample's own text (SuffixDecoding, DAS).
 
 Why: the G samples of one GRPO prompt, and that prompt's responses from the last few steps, share
-long spans; a policy that changes slowly keeps producing them. So per `prompt_key` we keep a trie of
-every substring (up to `depth` D tokens) of the prompt and of its recent responses, with occurrence
-counts. To draft, we find the longest suffix of the context present in the trie and walk down the
-most frequent child while the path's empirical probability prod(count(child) / count(parent)) stays
->= min_prob; a longer match earns a longer draft (<= max(1, alpha * match_len)).
+long spans; a policy that changes slowly keeps producing them. A sample also repeats itself: the
+numbers of its prompt, a total it wrote a line earlier. So per `prompt_key` we keep a trie of every
+substring (up to `depth` D tokens) of the prompt, of its recent responses and of its running samples'
+text so far, with occurrence counts (SuffixDecoding, Oliaro et al. 2024, and Arctic Inference's
+SuffixDecodingCache keep prompt + own response in a per-request tree beside a tree of earlier
+responses; DAS keeps history per prompt). To draft, we take the longest suffix of the context that
+has a continuation and walk down the most frequent child while the path's estimated probability
+stays >= min_prob.
 
-* Depth: inserting a response costs O(len * D) node visits in Python, paid on every finished
-  sample whether or not its drafts are used; D = 12 (a 4-8 token match + an 8-token draft) drafted
-  as well as 24 on the embedded task (0.571 vs 0.582 target forwards/token) at ~half the upkeep.
-* Incremental: `observe(seq)` inserts a finished response at once, so running siblings of the same
-  prompt draft from it in the same step; `next_step()` (once per GRPO step) evicts responses older
-  than `window` steps; `max_nodes` caps each trie (oldest responses go first; ~150 B per node).
-* Suffix links (node for s -> node for s[1:]) make matching incremental, Aho-Corasick style: each new
-  context token costs O(1) amortised; a trie change only forces an O(D) rescan of the context tail.
-* Confidence: each draft token's count / its parent's count, the empirical p of that continuation,
-  goes out with the draft (`Proposal.confidence`); the policy calibrates it and verifies only the
-  drafts that pay (policies.trim_drafts), so min_prob is just a floor.
+* Own text: a running sample's tokens enter its prompt's trie as they are generated (`extend`: the
+  new substrings are the suffixes of the text that end at the new token, reached through suffix
+  links from the previous end; O(D) per token). The node where the text ends is then the match
+  itself. A sample enters with its first generated token; `observe()` turns a finished text into
+  history, `free()` without `observe()` (an abort) takes it back out.
+* Estimates: a token seen c times among the n occurrences of an m-token context that continue is
+  estimated c / (n + shrink / m). The frequency c / n overstates when n is small and the match
+  short (one earlier answer that went on with "final" after "we need to find the" is a weak hint),
+  so such drafts stop early and long matches earn long drafts; this replaces most of SuffixDecoding's
+  cap of max_spec_factor * match_len tokens (kept, loose: `alpha`). Counting only occurrences that
+  continue (`cont`, the children's counts) keeps texts that end there (the sample itself, siblings
+  in lockstep with it) from diluting the estimate. Each token's estimate goes out with the draft
+  (`Proposal.confidence`); the policy calibrates it and verifies only the drafts that pay
+  (policies.trim_drafts), so min_prob is just a floor.
+* Depth: matches are up to D - 1 tokens; a draft that reaches depth D (no children there: the depth
+  limit, not the end of a text) goes on from its suffix of D - 1 tokens, so a draft reaches k tokens
+  whatever D. Inserting costs O(D) node visits per token, in Python, on every generated token.
+* Each node caches its most frequent child (`best`; on ties the one counted last, the most recent),
+  kept on insert and recomputed when a removal lowers it, so a draft token is one attribute read.
+* History: `next_step()` (once per GRPO step) evicts responses older than `window` steps;
+  `max_nodes` caps each trie (oldest responses go first; then a running text stops growing and its
+  drafts match the context afresh, through suffix links, Aho-Corasick style).
 * A response is stored as prompt[-(D-1):] + response so paths that cross from the prompt into the
-  answer (the start of a response) exist; `use_global` adds one trie over all prompts' responses,
-  used when the prompt's own trie matches less.
+  answer (the start of a response) exist: a fresh sample's first draft is its siblings' opening.
+* `use_global` adds one shallow trie (`global_depth`) over all prompts' finished responses (Arctic's
+  global tree), for the steps where the prompt's trie drafts fewer than k tokens; the draft with
+  the higher expected accepted length (the sum of its path probabilities, SuffixDecoding's score)
+  wins. Shallow on purpose: other prompts' answers share short phrases, not long spans.
 """
 from __future__ import annotations
 
 from collections import deque
+from operator import attrgetter
 
 from ..sequence import Sequence
 from .base import Drafter, Proposal, check_budget
 
+_count = attrgetter("count")
+
 
 class _Node:
-    __slots__ = ("children", "count", "link", "depth")
+    """Most nodes of a suffix trie have one child (a span seen once continues one way): that child is
+    `best` and `children` stays None, a dict only from the second child on (half the allocations,
+    so less memory and fewer garbage-collector passes)."""
+    __slots__ = ("children", "count", "cont", "link", "depth", "tok", "best")
 
-    def __init__(self, depth: int, link: "_Node | None"):
-        self.children: dict[int, _Node] = {}
-        self.count, self.link, self.depth = 0, link, depth
+    def __init__(self, depth: int, link: "_Node | None", tok: int = -1):
+        self.children: dict[int, _Node] | None = None   # all children, once there are two
+        self.count, self.link, self.depth, self.tok = 0, link, depth, tok
+        self.cont = 0                      # occurrences followed by a token: the children's counts
+        self.best: _Node | None = None     # the child with the highest count, latest on ties
+
+    def child(self, t: int) -> "_Node | None":
+        b = self.best
+        if b is not None and b.tok == t:
+            return b
+        return self.children.get(t) if self.children is not None else None
+
+    def add(self, t: int, child: "_Node") -> None:
+        """A new child t (its count is still 0: `best` is updated by the caller's count)."""
+        if self.children is not None:
+            self.children[t] = child
+        elif self.best is not None:
+            self.children = {self.best.tok: self.best, t: child}
 
 
 class _Trie:
     """Counts of all substrings (length <= depth) of the inserted texts. Invariant: count(s + t) <=
-    count(s) and count(s) <= count(s[1:]), so deleting zero-count nodes keeps links valid."""
+    count(s) and count(s) <= count(s[1:]), so deleting zero-count nodes keeps links valid.
+    The root's `best` is not kept exact on removals (no draft starts from an empty match)."""
 
     def __init__(self, depth: int):
         self.depth, self.root, self.size, self.version = depth, _Node(0, None), 0, 0
+        self.root.children = {}
         self.texts: deque[tuple[int, list[int]]] = deque()   # (step observed, text), oldest first
         self.tail: list[int] = []                            # prompt[-(D-1):] (per-prompt tries)
         self.last_used = 0
+        self.live = 0                                        # running texts being extended in it
 
     def insert(self, text: list[int], max_size: int | None = None) -> None:
         """Suffixes last-first, so the node for s[1:] (s's suffix link) exists when s is created.
@@ -58,83 +99,154 @@ class _Trie:
                 return
             node, path = self.root, []
             for d, t in enumerate(text[i:i + D]):
-                child = node.children.get(t)
+                best = node.best
+                child = best if best is not None and best.tok == t else node.child(t)
                 if child is None:
-                    child = node.children[t] = _Node(d + 1, prev[d - 1] if d else self.root)
+                    child = _Node(d + 1, prev[d - 1] if d else self.root, t)
+                    node.add(t, child)
                     self.size += 1
                 child.count += 1
+                node.cont += 1
+                if best is None or child.count >= best.count:
+                    node.best = child
                 path.append(child)
                 node = child
             prev = path
 
+    def extend(self, end: _Node, t: int) -> _Node:
+        """Append t to an inserted text whose last min(len, D) tokens lead to `end`: counts the
+        substrings that end at t (one per suffix of the text, the chain of `end`'s suffix links),
+        shortest first so that each new node's link exists. -> the new end."""
+        chain, node = [], end if end.depth < self.depth else end.link
+        while node is not None:
+            chain.append(node)
+            node = node.link
+        new = self.root                   # the link of a depth-1 node
+        for node in reversed(chain):
+            best = node.best
+            child = best if best is not None and best.tok == t else node.child(t)
+            if child is None:
+                child = _Node(node.depth + 1, new, t)
+                node.add(t, child)
+                self.size += 1
+            child.count += 1
+            node.cont += 1
+            if best is None or child.count >= best.count:
+                node.best = child
+            new = child
+        return new
+
     def remove(self, text: list[int]) -> None:
+        """Undo insert(text), or the extends that built text."""
         self.version += 1
+        root = self.root
         for i in range(len(text)):
-            node, seg = self.root, text[i:i + self.depth]
+            node, seg = root, text[i:i + self.depth]
             for d, t in enumerate(seg):
-                child = node.children[t]
+                child = node.child(t)
                 child.count -= 1
+                node.cont -= 1
                 if child.count == 0:   # subtree = rest of this path (other children had count 0: gone)
-                    del node.children[t]
+                    if node.children is not None:
+                        del node.children[t]
                     self.size -= len(seg) - d
+                if node.best is child and (child.count == 0 or node.children is not None):
+                    kids = node.children
+                    node.best = max(reversed(kids.values()), key=_count) if kids and node is not root else None
+                if child.count == 0:
                     break
                 node = child
 
     def step(self, node: _Node, t: int) -> _Node:
         """Longest suffix in the trie of (string of node) + t; nodes at depth D have no children."""
-        while t not in node.children and node is not self.root:
+        while True:
+            child = node.child(t)
+            if child is not None:
+                return child
+            if node is self.root:
+                return node
             node = node.link
-        return node.children.get(t, node)
 
     def continuation(self, node: _Node) -> tuple[int, float, _Node] | None:
         """The most frequent next token after the longest suffix of node's string that has one: (token,
-        its count / that suffix's count, the node of the match extended by it = step(node, token))."""
+        its frequency among that suffix's continuations, the node of the match extended by it =
+        step(node, token))."""
         while node is not self.root:
-            if node.children:
-                t, child = max(node.children.items(), key=lambda kv: kv[1].count)
-                return t, child.count / node.count, child
+            child = node.best
+            if child is not None:
+                return child.tok, child.count / node.cont, child
             node = node.link
         return None
 
-    def draft(self, node: _Node, k: int, alpha: float, min_prob: float) -> tuple[list[int], list[float]]:
-        """-> (draft tokens, each one's frequency among the continuations of the path before it)."""
-        while node.depth > max(self.depth - k, self.depth // 2):   # leave room below for k tokens
-            node = node.link
+    def draft(self, node: _Node, k: int, alpha: float, min_prob: float, shrink: float = 0.0
+              ) -> tuple[list[int], list[float], float]:
+        """-> (draft tokens, each one's estimated probability given the path before it, their
+        expected accepted length: the sum of the path probabilities, SuffixDecoding's score).
+        From the longest suffix of node's string that has a continuation, down the most frequent
+        child while the path probability stays >= min_prob. A token seen c times among the n
+        continuations of an m-token context is estimated c / (n + shrink / m): a frequency from a
+        few continuations of a short match overstates (shrink = 0: the frequency itself). A path
+        that reaches depth D (no children: the depth limit, not the end of a text) goes on from its
+        suffix of D - 1 tokens, so a draft's length is bounded by k and alpha, not by D."""
+        D = self.depth
         while node is not self.root:       # no continuation here: retry with a shorter match
-            out, conf, prob, cur = [], [], 1.0, node
-            cap = min(k, max(1, int(node.depth * alpha)))
-            while len(out) < cap and cur.children:
-                t, child = max(cur.children.items(), key=lambda kv: kv[1].count)
-                prob *= child.count / cur.count
-                if prob < min_prob:
-                    break
-                out.append(t)
-                conf.append(child.count / cur.count)
-                cur = child
-            if out:
-                return out, conf
+            cur = node.best
+            if cur is not None:
+                out, conf, parent, prob, score = [], [], node, 1.0, 0.0
+                cap = min(k, max(1, int(node.depth * alpha)))
+                while True:
+                    p = cur.count / (parent.cont + shrink / parent.depth)
+                    prob *= p
+                    if prob < min_prob:
+                        break
+                    out.append(cur.tok)
+                    conf.append(p)
+                    score += prob
+                    if len(out) >= cap:
+                        break
+                    parent = cur if cur.depth < D else cur.link
+                    cur = parent.best
+                    if cur is None:
+                        break
+                if out:
+                    return out, conf, score
             node = node.link
-        return [], []
+        return [], [], 0.0
+
+
+class _Live:
+    """A running sequence's text in its prompt's trie: tail + the response tokens inserted so far."""
+    __slots__ = ("trie", "text", "end", "n")
+
+    def __init__(self, trie: _Trie, n: int):
+        self.trie, self.text, self.n = trie, [], n
+        self.end: _Node | None = trie.root    # node of the text's last min(len, D) tokens; None: frozen
 
 
 class SuffixDrafter(Drafter):
     name = "suffix"
-    confident = True      # a draft token's confidence: its count / its parent's (the empirical p)
+    confident = True      # a draft token's confidence: its estimated probability after the path before it
 
-    def __init__(self, depth: int = 12, window: int = 2, min_prob: float = 0.1, alpha: float = 1.0,
-                 max_nodes: int = 100_000, use_global: bool = False, global_max_nodes: int = 500_000):
+    def __init__(self, depth: int = 12, window: int = 2, min_prob: float = 0.1, alpha: float = 4.0,
+                 max_nodes: int = 100_000, use_global: bool = True, global_max_nodes: int = 500_000,
+                 global_depth: int = 4, own_prefix: bool = True, shrink: float = 5.0):
         for field, value, ok, want in [
                 ("depth", depth, depth >= 2, ">= 2"), ("window", window, window >= 1, ">= 1 (GRPO steps)"),
                 ("min_prob", min_prob, 0 <= min_prob <= 1, "in [0, 1]"), ("alpha", alpha, alpha > 0, "> 0"),
+                ("shrink", shrink, shrink >= 0, ">= 0"),
                 ("max_nodes", max_nodes, max_nodes >= depth, f">= depth ({depth})"),
-                ("global_max_nodes", global_max_nodes, global_max_nodes >= depth, f">= depth ({depth})")]:
+                ("global_depth", global_depth, global_depth >= 2, ">= 2"),
+                ("global_max_nodes", global_max_nodes, global_max_nodes >= global_depth,
+                 f">= global_depth ({global_depth})")]:
             if not ok:
                 raise ValueError(f"SuffixDrafter: {field} must be {want}, got {value}")
         self.depth, self.window, self.min_prob, self.alpha = depth, window, min_prob, alpha
-        self.max_nodes, self.global_max_nodes = max_nodes, global_max_nodes
+        self.max_nodes, self.global_max_nodes, self.own_prefix = max_nodes, global_max_nodes, own_prefix
+        self.shrink = shrink
         self.step = 0
         self._trees: dict = {}                                 # prompt_key -> _Trie
-        self._global = _Trie(depth) if use_global else None
+        self._global = _Trie(global_depth) if use_global else None
+        self._live: dict[int, _Live] = {}                      # seq_id -> its text in its prompt's trie
         self._match: dict[int, dict[str, tuple]] = {}          # seq_id -> slot -> (trie, version, len, node)
 
     def tree(self, seq: Sequence) -> _Trie:
@@ -157,26 +269,66 @@ class SuffixDrafter(Drafter):
         trie.insert(text)
         self._evict(trie, max_nodes)
 
+    def _grow(self, st: _Live, tokens: list[int], capped: bool = True) -> None:
+        """Extend a running text by `tokens`; at the node cap the oldest responses make room, and
+        with none left the text stops growing (frozen: drafts then match the context afresh)."""
+        trie, text = st.trie, st.text
+        for t in tokens:
+            while capped and trie.size + trie.depth > self.max_nodes and trie.texts:
+                trie.remove(trie.texts.popleft()[1])
+            if capped and trie.size + trie.depth > self.max_nodes:
+                st.end = None
+                return
+            st.end = trie.extend(st.end, t)
+            text.append(t)
+
+    def _context(self, seq: Sequence) -> tuple[_Trie, _Node]:
+        """(seq's prompt trie, the node of the longest suffix of seq's tokens in it), after adding
+        seq's new tokens to its own text there (the end of that text is the node)."""
+        tree, toks = self.tree(seq), seq.token_ids
+        if not self.own_prefix or len(toks) == seq.num_prompt_tokens:
+            return tree, self._match_node(seq, "prompt", tree)
+        st = self._live.get(seq.seq_id)
+        if st is None:
+            st = self._live[seq.seq_id] = _Live(tree, seq.num_prompt_tokens)
+            tree.live += 1
+            self._grow(st, tree.tail)
+        if st.end is not None and st.n < len(toks):
+            self._grow(st, toks[st.n:])
+            st.n = len(toks)
+        if st.end is None:
+            return tree, self._match_node(seq, "prompt", tree)
+        return tree, st.end
+
     def observe(self, seq: Sequence) -> None:
         tree, resp = self.tree(seq), seq.completion_token_ids
-        if resp:
+        st = self._live.pop(seq.seq_id, None)
+        if st is not None:              # already in the trie: catch up, then it is history
+            if st.end is not None:
+                self._grow(st, seq.token_ids[st.n:], capped=False)
+            st.trie.live -= 1
+            st.trie.texts.append((self.step, st.text))
+            self._evict(st.trie, self.max_nodes)
+        elif resp:
             self._add(tree, tree.tail + resp, self.max_nodes)
-            if self._global is not None:
-                self._add(self._global, resp, self.global_max_nodes)
+        if self._global is not None and resp:
+            self._add(self._global, resp, self.global_max_nodes)
 
     def next_step(self) -> None:
         """One GRPO step passed: evict responses older than `window` steps and idle prompts' tries."""
         self.step += 1
         for key, tree in list(self._trees.items()):
             self._evict(tree, self.max_nodes)
-            if not tree.texts and self.step - tree.last_used >= self.window:
+            if not tree.texts and not tree.live and self.step - tree.last_used >= self.window:
                 del self._trees[key]
         if self._global is not None:
             self._evict(self._global, self.global_max_nodes)
 
     def match(self, seq: Sequence, trie: _Trie) -> _Node:
-        """The node of the longest suffix of seq's tokens in its prompt's trie (walk on with trie.step)."""
-        return self._match_node(seq, "prompt", trie)
+        """The node of the longest suffix of seq's tokens in trie (walk on with trie.step); in its
+        prompt's trie that is where seq's own text ends."""
+        tree, node = self._context(seq)
+        return node if trie is tree else self._match_node(seq, "other", trie)
 
     def _match_node(self, seq: Sequence, slot: str, trie: _Trie) -> _Node:
         toks, L = seq.token_ids, len(seq.token_ids)
@@ -197,15 +349,18 @@ class SuffixDrafter(Drafter):
                         confidence=[c for _, c in drafts])
 
     def _draft(self, seq: Sequence, k: int) -> tuple[list[int], list[float]]:
-        tree = self.tree(seq)
-        node = self._match_node(seq, "prompt", tree)
-        draft = tree.draft(node, k, self.alpha, self.min_prob)
-        if self._global is not None:
-            g = self._match_node(seq, "global", self._global)
-            if not draft[0] or g.depth > node.depth:
-                other = self._global.draft(g, k, self.alpha, self.min_prob)
-                draft = other if other[0] else draft
-        return draft
+        tree, node = self._context(seq)
+        out, conf, score = tree.draft(node, k, self.alpha, self.min_prob, self.shrink)
+        if self._global is not None and len(out) < k:
+            g_out, g_conf, g_score = self._global.draft(self._match_node(seq, "global", self._global), k,
+                                                        self.alpha, self.min_prob, self.shrink)
+            if g_score > score:
+                return g_out, g_conf
+        return out, conf
 
     def free(self, seq: Sequence) -> None:
+        st = self._live.pop(seq.seq_id, None)
+        if st is not None:             # left without observe (aborted): its text leaves the trie
+            st.trie.remove(st.text)
+            st.trie.live -= 1
         self._match.pop(seq.seq_id, None)

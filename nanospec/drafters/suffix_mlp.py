@@ -151,7 +151,7 @@ class SuffixMLPDrafter(Drafter):
         if model is None and vocab_size is None:
             raise ValueError("speculative[suffix_mlp]: without a 'model' the MLP starts untrained and needs vocab_size")
         self.mlp = model if isinstance(model, NGramMLP) else NGramMLP.load(model) if model else NGramMLP(vocab_size)
-        self.suffix = SuffixDrafter()
+        self.suffix = SuffixDrafter(use_global=False)      # it walks the prompt trie only (propose)
         self.override, self.min_mlp_prob, self.min_path_prob = override, min_mlp_prob, min_path_prob
         self.learn_epochs, self.learn_lr = learn_epochs, learn_lr
         self.examples: deque[tuple[list[int], int]] = deque(maxlen=buffer)   # (window, next token), newest last
