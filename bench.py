@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-SUITES = ("engine", "spec", "rollout", "gpu", "real")
+SUITES = ("engine", "spec", "rollout", "gpu", "real", "assisted", "suffix")
 ALL = ("engine", "spec", "rollout", "gpu")     # `real` fetches SmolLM2 and runs ~20 min: asked for by name
 
 

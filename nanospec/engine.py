@@ -149,8 +149,11 @@ class LLM:
             if self.drafter is None:
                 return None
             # the trainer's mechanism with an engine's defaults: cost-model toggle, draft length from the
-            # cost model and measured acceptance (no ladder), no length classes (they need a task's lengths)
-            controller = PoliciesConfig(length_classes=[], adaptive_draft_length=False)
+            # cost model and measured acceptance (no ladder), no length classes (they need a task's lengths).
+            # Threshold 1.0, not the trainer's margin: the SpeedupGuard catches predictions that are
+            # too optimistic, while a margin would leave a drafter that pays off for the whole request
+            # (a model drafter switched off at batch 1 is not probed again: its KV falls behind)
+            controller = PoliciesConfig(length_classes=[], adaptive_draft_length=False, toggle_min_speedup=1.0)
         if not isinstance(controller, PoliciesConfig):
             raise ValueError(f"controller: expected 'auto', None, a PoliciesConfig or a SpeculationPolicy, "
                              f"got {controller!r}")

@@ -99,19 +99,23 @@ class _Trie:
                 return
             node, path = self.root, []
             for d, t in enumerate(text[i:i + D]):
-                best = node.best
-                child = best if best is not None and best.tok == t else node.child(t)
-                if child is None:
-                    child = _Node(d + 1, prev[d - 1] if d else self.root, t)
-                    node.add(t, child)
-                    self.size += 1
-                child.count += 1
-                node.cont += 1
-                if best is None or child.count >= best.count:
-                    node.best = child
-                path.append(child)
-                node = child
+                node = self._count(node, t, prev[d - 1] if d else self.root)
+                path.append(node)
             prev = path
+
+    def _count(self, node: _Node, t: int, link: _Node) -> _Node:
+        """One more occurrence of (node's string) + t: its child, made with suffix link `link` if new."""
+        best = node.best
+        child = best if best is not None and best.tok == t else node.child(t)
+        if child is None:
+            child = _Node(node.depth + 1, link, t)
+            node.add(t, child)
+            self.size += 1
+        child.count += 1
+        node.cont += 1
+        if best is None or child.count >= best.count:
+            node.best = child
+        return child
 
     def extend(self, end: _Node, t: int) -> _Node:
         """Append t to an inserted text whose last min(len, D) tokens lead to `end`: counts the
@@ -123,17 +127,7 @@ class _Trie:
             node = node.link
         new = self.root                   # the link of a depth-1 node
         for node in reversed(chain):
-            best = node.best
-            child = best if best is not None and best.tok == t else node.child(t)
-            if child is None:
-                child = _Node(node.depth + 1, new, t)
-                node.add(t, child)
-                self.size += 1
-            child.count += 1
-            node.cont += 1
-            if best is None or child.count >= best.count:
-                node.best = child
-            new = child
+            new = self._count(node, t, new)
         return new
 
     def remove(self, text: list[int]) -> None:
