@@ -18,6 +18,7 @@ import operator
 import os
 import statistics
 from collections import defaultdict, deque
+from pathlib import Path
 from typing import Callable, Hashable, Sequence
 
 import numpy as np
@@ -800,7 +801,13 @@ def profile_cache_path(model, device, grid: dict):
     import platform
     import torch
     from .hub import cache_dir
-    dev = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
+    if device.type == "cuda":
+        dev = torch.cuda.get_device_name(device)
+    else:      # the CPU model where Linux names it (platform.processor() is often empty there)
+        cpuinfo = Path("/proc/cpuinfo")
+        names = [ln.split(":", 1)[1].strip() for ln in (cpuinfo.read_text().splitlines() if cpuinfo.is_file() else [])
+                 if ln.startswith("model name")]
+        dev = f"{names[0] if names else platform.processor() or platform.machine()} x{os.cpu_count()}"
     layers = sorted({type(m).__name__ for m in model.modules()})
     key = json.dumps([repr(model.args), str(next(model.parameters()).dtype), dev, torch.get_num_threads(),
                       torch.__version__, layers, grid], sort_keys=True)
