@@ -71,7 +71,7 @@ def run_setting(name, target_dir, draft_dir, prompts, opts) -> list[dict]:
     runs = {"transformers AR": lambda: hf_run(None), "transformers assisted": lambda: hf_run(hf_draft)}
     for label, llm in engines.items():
         runs[label] = lambda llm=llm: [o.token_ids for o in (llm.generate([p], sp, use_tqdm=False)[0] for p in prompts)]
-    times, outs = {k: [] for k in runs}, {}
+    times, outs, summaries = {k: [] for k in runs}, {}, {}
     for rnd in range(opts.reps + 1):                   # round 0: warm-up
         for label in (list(runs) if rnd % 2 else list(runs)[::-1]):
             for llm in engines.values():
@@ -82,16 +82,16 @@ def run_setting(name, target_dir, draft_dir, prompts, opts) -> list[dict]:
             if rnd:
                 times[label].append(time.perf_counter() - t0)
                 if label in engines:
-                    engines[label].last_summary = engines[label].summary()
+                    summaries[label] = engines[label].summary()
     med = {k: statistics.median(v) for k, v in times.items()}
     ref, rows = outs["transformers AR"], []
     for label in runs:
-        summ = getattr(engines.get(label), "last_summary", {})
+        summ = summaries.get(label, {})
         rows.append(dict(name=f"{name}: {label}", setting=name, seconds=med[label],
                          speedup=med["transformers assisted"] / med[label],
                          vs_nanospec_ar=med["nanospec AR"] / med[label],
-                         acceptance=summ.get("acceptance_rate", float("nan")) if summ.get("proposed_tokens") else
-                         float("nan"), same_tokens=outs[label] == ref, lossy=False))
+                         acceptance=summ["acceptance_rate"] if summ.get("proposed_tokens") else float("nan"),
+                         same_tokens=outs[label] == ref, lossy=False))
     return rows
 
 

@@ -703,8 +703,8 @@ class SpeculationPolicy:
             elif t:
                 E += expected_accepted(self.alpha(proposal.sources[i]), len(t))
                 fixed += len(t)
-        per_row, per_token = self.draft_cost(B, ctx)
-        T = per_row + per_token * max(map(len, tokens)) + lat.predict(B, ctx, 1 + fixed / B)
+        any_k, per_token = self.draft_cost(B, ctx)
+        T = any_k + per_token * max(map(len, tokens)) + lat.predict(B, ctx, 1 + fixed / B)
         keep = trim_drafts(cand, E, T, lat.token_cost(ctx))
         for i, k in zip(rows, keep):
             tokens[i] = tokens[i][:k]
