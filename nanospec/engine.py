@@ -286,11 +286,18 @@ class LLM:
         proposal = self._propose(seqs)
         tokens = [[s.last_token] + d for s, d in zip(seqs, proposal.tokens)]
         t0 = time.perf_counter()
-        hidden = self.runner.forward(seqs, tokens, [len(s) - 1 for s in seqs])
-        logits = self.model.logits(hidden)                                       # [B, K+1, V]
+        hidden = self.runner.forward(seqs, tokens, [len(s) - 1 for s in seqs])   # [B, K+1, D]
+        # the LM head and the sampler see only the N real positions: a ragged verify (a few rows with
+        # drafts) costs its real tokens, not B * (K+1) -- the latency model prices it that way
+        Q, flat, index = hidden.shape[1], [], []
+        for b, t in enumerate(tokens):
+            index.append([len(flat) + min(j, len(t) - 1) for j in range(Q)])
+            flat.extend(range(b * Q, b * Q + len(t)))
+        flat = torch.tensor(flat, device=self.device)
+        logits = self.model.logits(hidden.flatten(0, 1).index_select(0, flat))   # [N, V]
         self.stats["target_forwards"] += 1
         before = self.stats["generated_tokens"]
-        finished = self._verify_and_append(seqs, logits, proposal)
+        finished = self._verify_and_append(seqs, logits, proposal, torch.tensor(index, device=self.device))
         if self.controller is not None:
             self.controller.observe_forward(seqs, tokens, time.perf_counter() - t0,
                                             self.stats["generated_tokens"] - before)
@@ -325,9 +332,11 @@ class LLM:
             assert len(proposal.tokens[i]) <= k, f"drafter {proposal.sources[i]} proposed past its budget"
         return proposal
 
-    def _verify_and_append(self, seqs, logits, proposal: Proposal) -> list[Sequence]:
-        B, K1, V = logits.shape
-        K, dev, drafts = K1 - 1, self.device, proposal.tokens
+    def _verify_and_append(self, seqs, logits, proposal: Proposal, index=None) -> list[Sequence]:
+        """logits: [B, K+1, V], or packed [N, V] with index [B, K+1] (speculative.verify)."""
+        dev, drafts, V = self.device, proposal.tokens, logits.shape[-1]
+        B, K = len(seqs), max(map(len, drafts))
+        K1 = K + 1
         key = (V, *((s.params.temperature, s.params.top_k, s.params.top_p) for s in seqs))
         if self._st_key != key:   # decode steps repeat the same batch: build it once
             self._st_key, self._st = key, SamplingTensors.from_params([s.params for s in seqs], V, dev)
@@ -351,7 +360,7 @@ class LLM:
         u = torch.ones(B, K1, device=dev) if u is None else u.view(B, K1).to(dev)
         q = proposal.q[:, :K].to(dev) if proposal.q is not None else None
         lq = proposal.lenient_q[:, :K].to(dev) if proposal.lenient_q is not None else None
-        n, toks, lps = speculative.verify(logits, draft, num_draft, st, u[:, :K], u[:, K], q, lq)
+        n, toks, lps = speculative.verify(logits, draft, num_draft, st, u[:, :K], u[:, K], q, lq, index)
         host = torch.cat([n.unsqueeze(1).double(), toks.double(), lps.double()], 1).tolist()  # one sync
         finished, generated = [], 0
         for i, (s, row, d, src) in enumerate(zip(seqs, host, drafts, proposal.sources)):

@@ -35,7 +35,7 @@ def _is_int(x) -> bool:
 
 
 class LatencyModel:
-    """Seconds of one batched target forward: t(B, C, Q) = w . [1, B, B*Q, B*C, B*Q*C].
+    """Seconds of one batched target step: t(B, C, Q) = w . [1, B, B*Q, B*C, B*Q*C, [Q > 1]].
 
     B = sequences in the step, C = mean cached context per sequence, Q = query tokens per sequence
     (1 = plain decode, k+1 = verify). One feature per cost a decoder step pays:
@@ -44,6 +44,8 @@ class LatencyModel:
       B*Q    token-proportional matmuls (projections + MLP over B*Q rows)
       B*C    reading each sequence's KV cache once (memory traffic, independent of Q)
       B*Q*C  attention: every query token against every cached key
+      [Q>1]  a verify step's fixed extra: packing a ragged batch, the rejection sampler's residuals.
+             A step with one draft token pays it in full, so a lone likely draft may not pay.
     Fit: nonnegative least squares on *relative* error (each row divided by its time). Nonnegative
     weights on nondecreasing features keep t monotone in B, C and Q, so noise never makes a longer
     verify look cheaper; relative error keeps the ~1 ms small-batch steps, where the toggle's call
@@ -59,7 +61,7 @@ class LatencyModel:
         _check(_is_int(refit_every) and refit_every >= 1, "refit_every", "an int >= 1", refit_every)
         if coef is not None:
             coef = np.asarray(coef, dtype=float)
-            _check(coef.shape == (5,) and bool(np.all(coef >= 0)), "coef", "5 nonnegative floats", coef)
+            _check(coef.shape == (6,) and bool(np.all(coef >= 0)), "coef", "6 nonnegative floats", coef)
         self.min_seconds, self.refit_every = min_seconds, refit_every
         self._set(coef)
         self.anchors: list[tuple] = []
@@ -68,9 +70,9 @@ class LatencyModel:
 
     @staticmethod
     def features(B, C, Q) -> np.ndarray:
-        """[1, B, B*Q, B*C, B*Q*C]: [5] for one (B, C, Q), [5, n] for arrays of n samples."""
+        """[1, B, B*Q, B*C, B*Q*C, Q>1]: [6] for one (B, C, Q), [6, n] for arrays of n samples."""
         B, C, Q = (np.asarray(v, dtype=float) for v in (B, C, Q))
-        return np.stack([np.ones_like(B), B, B * Q, B * C, B * Q * C])
+        return np.stack([np.ones_like(B), B, B * Q, B * C, B * Q * C, (Q > 1).astype(float)])
 
     @staticmethod
     def _sample(s) -> tuple:
@@ -104,12 +106,17 @@ class LatencyModel:
         """w . features(B, C, Q), in Python floats (~1 us; the toggle calls it ~2*k times per step)."""
         if self._w is None:
             raise RuntimeError("LatencyModel.predict: not fitted; call fit() or calibrate() first")
-        w1, wB, wBQ, wBC, wBQC = self._w
-        return max(w1 + B * (wB + Q * wBQ + C * wBC + Q * C * wBQC), self.min_seconds)
+        w1, wB, wBQ, wBC, wBQC, wV = self._w
+        return max(w1 + B * (wB + Q * wBQ + C * wBC + Q * C * wBQC) + (wV if Q > 1 else 0.0), self.min_seconds)
 
     def token_cost(self, C: float) -> float:
         """Seconds one more verified token adds to a packed step at context C (d t / d(B*Q))."""
         return self._w[2] + C * self._w[4]
+
+    @property
+    def verify_overhead(self) -> float:
+        """Seconds a step pays once when it verifies any draft at all (the [Q > 1] weight)."""
+        return self._w[5]
 
     def observe(self, B: float, C: float, Q: float, seconds: float) -> None:
         self.recent.append(self._sample((B, C, Q, seconds)))
@@ -161,23 +168,26 @@ def best_k(latency: LatencyModel, batch_size: float, ctx_len: float, alpha: floa
     return best
 
 
-def trim_drafts(probs: list[list[float]], base_tokens: float, base_seconds: float, token_cost: float) -> list[int]:
+def trim_drafts(probs: list[list[float]], base_tokens: float, base_seconds: float, token_cost: float,
+                verify_overhead: float = 0.0) -> list[int]:
     """Per row, how many of its drafts to verify so that the step's expected tokens per second is highest.
 
     probs[i][j]: estimated probability that row i's drafts 0..j are all accepted (non-increasing in j),
     i.e. the expected tokens draft j adds. The step already yields `base_tokens` (one per row, plus
     drafts kept elsewhere) in `base_seconds`; each verified draft costs `token_cost` more (packed
-    steps: time is linear in the verified tokens). Maximising E / T over prefixes: take drafts in
-    decreasing probability while p > token_cost * E / T (a ratio's optimum keeps exactly the items
-    whose gain / cost beats the ratio itself; Dinkelbach). At a full CPU batch a draft must be likely
-    (p ~ 0.5: a verified token costs nearly a decoded one); for a lone straggler almost any draft pays.
+    steps: time is linear in the verified tokens), and verifying any at all costs `verify_overhead`
+    once. Maximising E / T over prefixes: take drafts in decreasing probability while
+    p > token_cost * E / T (a ratio's optimum keeps exactly the items whose gain / cost beats the
+    ratio itself; Dinkelbach), starting from T + verify_overhead; then keep them only if that beats
+    verifying nothing. At a full CPU batch a draft must be likely (p ~ 0.5: a verified token costs
+    nearly a decoded one); for a lone straggler almost any draft pays.
     """
-    E, T, keep = base_tokens, base_seconds, [0] * len(probs)
+    E, T, keep = base_tokens, base_seconds + verify_overhead, [0] * len(probs)
     for p, i in sorted(((p, i) for i, row in enumerate(probs) for p in row), key=lambda x: -x[0]):
         if p * T < token_cost * E:
             break
         E, T, keep[i] = E + p, T + token_cost, keep[i] + 1
-    return keep
+    return keep if E * base_seconds > base_tokens * T else [0] * len(probs)
 
 
 class ConfidenceCalibration:
@@ -266,16 +276,20 @@ class SpeedupGuard:
     steps, so a model that is off at this batch and context is corrected by the steps themselves. Any
     cost the predictions leave out (a drafter's Python, an over-confident acceptance estimate, verify
     overheads) shows up here. When the realized speedup, summed over the last speculating steps, falls
-    below 1 after `min_steps` of them, speculation is suspended for `gap` engine steps of plain decoding
+    below `min_speedup` after `min_steps` of them (a margin: each side of the ratio is an estimate),
+    speculation is suspended for `gap` engine steps of plain decoding
     and then tried again on fresh evidence; the gap doubles (up to `max_gap`) while trials keep failing.
     Steps that only probe an off drafter are left out: they are the probe's cost, accounted for there.
     """
 
-    def __init__(self, min_steps: int = 8, gap: int = 16, max_gap: int = 512, decay: float = 0.9):
+    def __init__(self, min_steps: int = 8, gap: int = 16, max_gap: int = 512, decay: float = 0.9,
+                 min_speedup: float = 1.05):
         _check(_is_int(min_steps) and min_steps >= 1, "min_steps", "an int >= 1", min_steps)
         _check(_is_int(gap) and 1 <= gap <= max_gap, "gap", f"an int in [1, max_gap={max_gap}]", gap)
         _check(0 < decay <= 1, "decay", "in (0, 1]", decay)
+        _check(min_speedup > 0, "min_speedup", "> 0", min_speedup)
         self.min_steps, self.base_gap, self.max_gap, self.decay = min_steps, gap, max_gap, decay
+        self.min_speedup = min_speedup
         self.gap, self.suspended, self.ar_bias = gap, 0, 1.0
         self.trips = self.suspended_steps = 0
         self._restart()
@@ -303,7 +317,7 @@ class SpeedupGuard:
         self.n += 1
         if self.n < self.min_steps:
             return
-        if self.ar_seconds < self.spent:          # slower than plain decoding: suspend, retry later
+        if self.ar_seconds < self.min_speedup * self.spent:    # no faster than plain: suspend, retry later
             self.suspended, self.trips = self.gap, self.trips + 1
             self.gap = min(2 * self.gap, self.max_gap)
             self._restart()
@@ -311,8 +325,10 @@ class SpeedupGuard:
             self.gap = self.base_gap
 
     def reset(self) -> None:
-        """A new rollout step (new weights, new histories): try speculating again from the base gap."""
-        self.gap, self.suspended, self.trips, self.suspended_steps = self.base_gap, 0, 0, 0
+        """A new rollout step: its counters start at 0 and its trial starts afresh, but the backoff
+        (gap, remaining suspension) carries over, so speculation that lost on the last rollout step
+        costs one trial per doubling gap, not three trials on every step."""
+        self.trips = self.suspended_steps = 0
         self._restart()
 
     def realized_speedup(self) -> float | None:
@@ -705,7 +721,7 @@ class SpeculationPolicy:
                 fixed += len(t)
         any_k, per_token = self.draft_cost(B, ctx)
         T = any_k + per_token * max(map(len, tokens)) + lat.predict(B, ctx, 1 + fixed / B)
-        keep = trim_drafts(cand, E, T, lat.token_cost(ctx))
+        keep = trim_drafts(cand, E, T, lat.token_cost(ctx), 0.0 if fixed else lat.verify_overhead)
         for i, k in zip(rows, keep):
             tokens[i] = tokens[i][:k]
         return tokens
@@ -735,10 +751,12 @@ class SpeculationPolicy:
         predicted_ar = self.toggle.latency.predict(B, ctx, 1)
         # packed ragged steps cost ~ the real tokens: Q = mean tokens per sequence
         self.toggle.latency.observe(B, ctx, sum(map(len, tokens)) / B, seconds)
-        speculated = any(len(t) > 1 for t in tokens)
+        # a step that ran the drafter is an attempt, even if every draft was trimmed: its propose()
+        # time is what speculation cost it; only steps that never drafted calibrate plain decoding
+        attempted = any(len(t) > 1 for t in tokens) or draft_seconds > 0
         paying = any(self._pays.values())        # not a probe-only step
-        if emitted is not None and (paying or not speculated):
-            self.guard.observe(speculated, seconds + draft_seconds, predicted_ar, emitted / B)
+        if emitted is not None and (paying or not attempted):
+            self.guard.observe(attempted, seconds + draft_seconds, predicted_ar, emitted / B)
 
     def observe_acceptance(self, source: str, proposed: int, accepted: int,
                            confidence: Sequence[float] | None = None) -> None:

@@ -19,6 +19,9 @@ import torch
 from .sequence import SamplingParams
 
 
+SERIAL_SCAN_DEVICES = {"cpu"}   # cumsum is a serial loop there: monotone, bit for bit
+
+
 @dataclass
 class SamplingTensors:
     temperature: torch.Tensor   # [B] float, 0 = greedy
@@ -40,24 +43,34 @@ class SamplingTensors:
     def greedy(self) -> torch.Tensor:
         return self.temperature == 0
 
+    def rows(self, index: torch.Tensor) -> "SamplingTensors":
+        """The settings of rows `index` ([N]): one entry per packed logits row (speculative.verify)."""
+        return SamplingTensors(self.temperature[index], self.top_k[index], self.top_p[index],
+                               self.needs_filter, self.all_greedy)
+
+
+def _per_row(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """[B] -> [B, 1, ..., 1], broadcastable against x [B, ..., V]."""
+    return t.view(-1, *([1] * (x.dim() - 1)))
+
 
 def scaled(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
     """logits [B, ..., V] / T with T broadcast from [B]; greedy rows (T=0) use T=1."""
     t = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
-    return logits / t.view(-1, *([1] * (logits.dim() - 1)))
+    return logits / _per_row(t, logits)
 
 
 def probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
-    """The sampling distribution p. logits: [B, Q, V] -> [B, Q, V] (float32)."""
+    """The sampling distribution p. logits: [B, ..., V] -> the same shape (float32)."""
     x = scaled(logits.float(), st.temperature)
     if st.needs_filter:
         sorted_x, order = x.sort(dim=-1, descending=True, stable=True)
         rank = torch.arange(x.shape[-1], device=x.device)
         # top-k first, then top-p over the renormalised survivors (the HF / vLLM order)
-        sorted_x = sorted_x.masked_fill(rank >= st.top_k.view(-1, 1, 1), float("-inf"))
+        sorted_x = sorted_x.masked_fill(rank >= _per_row(st.top_k, x), float("-inf"))
         p_sorted = sorted_x.softmax(-1)
         head_mass = p_sorted.cumsum(-1) - p_sorted       # mass of the tokens ranked above this one
-        drop = (head_mass >= st.top_p.view(-1, 1, 1)) & (st.top_p < 1).view(-1, 1, 1)
+        drop = (head_mass >= _per_row(st.top_p, x)) & _per_row(st.top_p < 1, x)
         sorted_x = sorted_x.masked_fill(drop, float("-inf"))
         x = torch.empty_like(x).scatter_(-1, order, sorted_x)
     return x.softmax(-1)
@@ -67,9 +80,11 @@ def sample(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF sampling. p: [B, V] (need not be normalised), u: [B] in (0, 1] -> tokens [B]."""
     # A parallel scan (CUDA's cumsum) is not guaranteed monotone in floating point, so a token with
     # p = 0 (e.g. the rejected draft in a residual) could own a sliver of the CDF. Zeroing those
-    # positions and taking the running max gives them an empty interval on every device; on CPU
-    # (a serial, monotone scan) the positive positions are unchanged bit for bit.
-    cdf = p.cumsum(-1).masked_fill_(p <= 0, 0).cummax(-1).values
+    # positions and taking the running max gives them an empty interval. CPU's scan is serial, so
+    # there cdf[i] == cdf[i-1] already when p[i] = 0, and the (serial, ~1 ms) cummax is skipped.
+    cdf = p.cumsum(-1)
+    if cdf.device.type not in SERIAL_SCAN_DEVICES:
+        cdf = cdf.masked_fill_(p <= 0, 0).cummax(-1).values
     idx = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1)).squeeze(-1)
     return idx.clamp_(max=p.shape[-1] - 1)
 

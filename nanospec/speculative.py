@@ -27,64 +27,63 @@ from .sampler import SamplingTensors
 
 def verify(logits: torch.Tensor, draft: torch.Tensor, num_draft: torch.Tensor, st: SamplingTensors,
            u_accept: torch.Tensor, u_final: torch.Tensor, q: torch.Tensor | None = None,
-           lenient_q: torch.Tensor | None = None):
+           lenient_q: torch.Tensor | None = None, index: torch.Tensor | None = None):
     """
-    logits   [B, K+1, V]  target logits at positions len-1 .. len-1+K of each sequence
+    logits   [B, K+1, V]  target logits at positions len-1 .. len-1+K of each sequence, or packed
+             [N, V] with index [B, K+1] naming the logits row of (b, j): a ragged batch then computes
+             and normalises only its N real positions, not B * (K+1) (index repeats a row's last one)
     draft    [B, K]       draft tokens (padding beyond num_draft[b] is ignored)
     num_draft[B]          k_b <= K
     u_accept [B, K], u_final [B]: uniforms in (0, 1] from each request's generator
     q        [B, K, V]    draft distributions (None: all drafts are point masses)
     returns  num_accepted [B], tokens [B, K+1] (emitted = tokens[b, :n_b + 1]), logprobs [B, K+1]
     """
-    B, K1, V = logits.shape
-    K = K1 - 1
+    B, K = draft.shape
+    dev = logits.device
+    if index is None:
+        index = torch.arange(B * (K + 1), device=dev).view(B, K + 1)
+        logits = logits.flatten(0, 1)                                      # [N = B*(K+1), V]
+    owner = torch.zeros(logits.shape[0], dtype=torch.long, device=dev).scatter_(
+        0, index.flatten(), torch.arange(B, device=dev).repeat_interleave(K + 1))   # [N] its sequence
+    st_n = st.rows(owner)
+    top = logits.argmax(-1)                                                # [N]
+    rows = torch.arange(B, device=dev)
     if st.all_greedy:
-        return verify_greedy(logits, draft, num_draft, st)
-    p = sampler.probs(logits, st)                                          # [B, K+1, V]
-    rows = torch.arange(B, device=logits.device)
-    if K > 0:
-        p_d = p[:, :K].gather(-1, draft.unsqueeze(-1)).squeeze(-1)         # [B, K]  p_j(d_j)
+        # accept while d_j == argmax, emit the argmax: no softmax / sort / inverse-CDF sampling
+        n = _leading(draft == top[index[:, :K]], num_draft)
+        final = top[index[rows, n]]
+    else:
+        p = sampler.probs(logits, st_n)                                    # [N, V]
+        p_d = p[index[:, :K], draft]                                       # [B, K]  p_j(d_j)
         q_d = torch.ones_like(p_d) if q is None else q.gather(-1, draft.unsqueeze(-1)).squeeze(-1)
         # LOSSY positions carry p_old/l < 1; the drafter fills 1.0 where it has no p_old (exact there)
         lenient = lenient_q < 1 if lenient_q is not None else torch.zeros_like(p_d, dtype=torch.bool)
         if lenient_q is not None:
             q_d = torch.where(lenient, lenient_q, q_d)
         accept = u_accept * q_d <= p_d          # u <= p/q, no division; u in (0, 1]: p = 0 never passes
-        greedy_ok = draft == logits[:, :K].argmax(-1)
-        accept = torch.where(st.greedy.unsqueeze(-1), greedy_ok, accept)
-        accept &= torch.arange(K, device=logits.device) < num_draft.unsqueeze(-1)
-        n = accept.long().cumprod(-1).sum(-1)                              # [B] leading accepts
-    else:
-        n = torch.zeros(B, dtype=torch.long, device=logits.device)
-    p_n = p[rows, n]                                                       # [B, V]
-    rejected = n < num_draft
-    if K > 0:
-        j = n.clamp(max=K - 1)
-        q_n = F.one_hot(draft[rows, j], V).to(p.dtype) if q is None else q[rows, j]
-        residual = (p_n - q_n).clamp_(min=0)
-        ok = rejected & (residual.sum(-1) > 0)     # sum 0 only if p == q, where rejection has prob 0
-        ok &= ~lenient[rows, j]                    # LOSSY rule resamples from p after a rejection
-        p_n = torch.where(ok.unsqueeze(-1), residual, p_n)
-    final = sampler.sample(p_n, u_final)
-    final = torch.where(st.greedy, logits[rows, n].argmax(-1), final)
+        accept = torch.where(st.greedy.unsqueeze(-1), draft == top[index[:, :K]], accept)
+        n = _leading(accept, num_draft)                                    # [B] leading accepts
+        p_n = p[index[rows, n]]                                            # [B, V]
+        if K > 0:
+            rejected = n < num_draft
+            j = n.clamp(max=K - 1)
+            if q is None:       # point mass: max(0, p - onehot(d_j)) is p with d_j zeroed
+                residual = p_n.scatter(-1, draft[rows, j].unsqueeze(-1), 0.0)
+            else:
+                residual = (p_n - q[rows, j]).clamp_(min=0)
+            ok = rejected & (residual.sum(-1) > 0)     # sum 0 only if p == q, where rejection has prob 0
+            ok &= ~lenient[rows, j]                    # LOSSY rule resamples from p after a rejection
+            p_n = torch.where(ok.unsqueeze(-1), residual, p_n)
+        final = torch.where(st.greedy, top[index[rows, n]], sampler.sample(p_n, u_final))
     tokens = F.pad(draft, (0, 1))
     tokens[rows, n] = final
-    logprobs = sampler.token_logprobs(logits, st.temperature, tokens)
+    # reported logprobs: log_softmax(logits / T)[token], one logsumexp per real position (sampler.py)
+    x = sampler.scaled(logits.float(), st_n.temperature)
+    logprobs = x[index, tokens] - x.logsumexp(-1)[index]
     return n, tokens, logprobs
 
 
-def verify_greedy(logits, draft, num_draft, st: SamplingTensors):
-    """verify() when every row is greedy: accept while d_j == argmax, emit the argmax. The same
-    tokens as the general path's greedy rows, without softmax / sort / inverse-CDF sampling."""
-    B, K1, _ = logits.shape
-    K = K1 - 1
-    if K == 0:   # plain greedy decode: token = argmax, logprob = its logit - logsumexp (T = 0 -> T = 1)
-        top_logit, top = logits.float().max(-1)                            # [B, 1]; first max, as argmax
-        return torch.zeros(B, dtype=torch.long, device=logits.device), top, top_logit - logits.float().logsumexp(-1)
-    top = logits.argmax(-1)                                                # [B, K+1]
-    accept = (draft == top[:, :K]) & (torch.arange(K, device=logits.device) < num_draft.unsqueeze(-1))
-    n = accept.long().cumprod(-1).sum(-1)                                  # [B] leading accepts
-    rows = torch.arange(B, device=logits.device)
-    tokens = F.pad(draft, (0, 1))
-    tokens[rows, n] = top[rows, n]
-    return n, tokens, sampler.token_logprobs(logits, st.temperature, tokens)
+def _leading(accept: torch.Tensor, num_draft: torch.Tensor) -> torch.Tensor:
+    """[B, K] per-draft accept -> [B] number of leading accepts within each row's num_draft."""
+    accept = accept & (torch.arange(accept.shape[1], device=accept.device) < num_draft.unsqueeze(-1))
+    return accept.long().cumprod(-1).sum(-1)

@@ -456,6 +456,7 @@ def test_sampler_sample_never_picks_zero_mass_with_non_monotone_cumsum(monkeypat
     """A parallel scan (CUDA) may round a zero-mass position's prefix sum above its predecessor's;
     simulate that on CPU: the zero-mass token must still get an empty interval of the CDF."""
     p = torch.tensor([[0.5, 0.0, 0.5]])
+    monkeypatch.setattr(sampler, "SERIAL_SCAN_DEVICES", set())    # as on CUDA
     real = torch.Tensor.cumsum
     monkeypatch.setattr(torch.Tensor, "cumsum", lambda x, dim: real(x, dim) + torch.tensor([0.0, 1e-3, 0.0]))
     assert sampler.sample(p, torch.tensor([0.5005])).tolist() == [2]

@@ -5,7 +5,7 @@ from nanospec.policies import (DraftLengthLadder, LatencyModel, LengthClasses, L
                                SpeculationToggle, assign_to_ranks, best_k, expected_accepted,
                                imbalance, rank_work, round_robin, trim_drafts)
 
-TRUE = np.array([1e-3, 2e-5, 1e-5, 3e-8, 5e-9])  # const, B, B*Q, B*C, B*Q*C
+TRUE = np.array([1e-3, 2e-5, 1e-5, 3e-8, 5e-9, 2e-4])  # const, B, B*Q, B*C, B*Q*C, Q>1
 
 
 def _grid(noise=0.0, seed=0):
@@ -30,7 +30,7 @@ def test_latency_nonnegative_monotone_and_clamped():
     m = LatencyModel().fit(samples)
     assert np.all(m.coef >= 0)
     assert m.predict(8, 100, 8) >= m.predict(8, 100, 1) > 0
-    assert LatencyModel(coef=[0, 0, 0, 0, 0], min_seconds=1e-6).predict(1, 0, 1) == 1e-6
+    assert LatencyModel(coef=[0, 0, 0, 0, 0, 0], min_seconds=1e-6).predict(1, 0, 1) == 1e-6
 
 
 def test_latency_observe_calibrate_and_errors():
@@ -66,7 +66,7 @@ def test_expected_accepted():
 
 
 def test_toggle_threshold_and_batch_dependence():
-    lat = LatencyModel(coef=[1, 0, 1, 0, 0])  # t = 1 + B*Q: B=1 -> t_ar=2, t_verify(k=1)=3
+    lat = LatencyModel(coef=[1, 0, 1, 0, 0, 0])  # t = 1 + B*Q: B=1 -> t_ar=2, t_verify(k=1)=3
     tog = SpeculationToggle(lat, min_speedup=1.25)
     assert tog.choose(1, 10, 1, 0.875, 0.0) == (1, 1.25)     # (0.875 + 1) * 2 / 3 == 1.25 exactly: on
     k, s = tog.choose(1, 10, 1, 0.87, 0.0)
@@ -188,7 +188,7 @@ def test_length_classes_mapping_validation_and_cost_model():
     with pytest.raises(ValueError, match="budgets"):
         LengthClasses([32], [0, -1])
     # t = 1 + B*Q: at batch 64 no k pays; at batch 4 only k=1 (1.9*5/9 = 1.056); at batch 1 k=3 best
-    lat = LatencyModel(coef=[1, 0, 1, 0, 0])
+    lat = LatencyModel(coef=[1, 0, 1, 0, 0, 0])
     derived = LengthClasses.from_cost_model(lat, [32, 128], [64, 4, 1], [16, 80, 200], alpha=0.9)
     assert derived.budgets == (0, 1, 3)
     # for_engine: the typical step of each class, batch 64 / 16 / 4 (4x smaller per class)
@@ -204,7 +204,7 @@ def test_policy_toggles_each_drafter_on_its_own_acceptance_and_probes_with_backo
     once nothing pays, nothing is drafted at all."""
     from nanospec.drafters.base import Proposal
     from nanospec.policies import SpeculationPolicy
-    lat = LatencyModel(coef=[1, 0, 0.01, 0, 0])       # t = 1 + 0.01*B*Q: B=8, k=4 verify 1.32x a decode
+    lat = LatencyModel(coef=[1, 0, 0.01, 0, 0, 0])       # t = 1 + 0.01*B*Q: B=8, k=4 verify 1.32x a decode
     pol = SpeculationPolicy(toggle=SpeculationToggle(lat, 1.05), probe_every=2, probe_every_max=8, probe_rows=1)
     seqs = [type("S", (), {"num_completion_tokens": 5, "__len__": lambda self: 20})() for _ in range(8)]
     for _ in range(8):
@@ -237,7 +237,7 @@ def test_probes_of_a_drafter_with_its_own_kv_wait_for_fresh_rows():
     up on 30 tokens per row costs a forward over all of them, more than any probe can win back. A due
     probe waits for fresh rows (here: requests just prefilled) and then drafts on `probe_rows` of them."""
     from nanospec.policies import SpeculationPolicy
-    lat = LatencyModel(coef=[1, 0, 0.01, 0, 0])
+    lat = LatencyModel(coef=[1, 0, 0.01, 0, 0, 0])
     pol = SpeculationPolicy(toggle=SpeculationToggle(lat, 1.05), probe_every=2, probe_every_max=8,
                             probe_rows=2, sources=["self"], kv_sources=["self"])
     for _ in range(8):
@@ -274,12 +274,14 @@ def test_trim_drafts_maximises_expected_tokens_per_second():
         B = int(rng.integers(1, 4))
         probs = [list(np.cumprod(rng.uniform(0.2, 1.0, int(rng.integers(0, 4))))) for _ in range(B)]
         E0, T0, c = float(B), float(rng.uniform(0.5, 2)), float(rng.uniform(0.01, 0.6))
+        f = float(rng.choice([0.0, rng.uniform(0, 1)]))     # the verify step's fixed overhead
         def rate(ks):
-            return (E0 + sum(sum(p[:k]) for p, k in zip(probs, ks))) / (T0 + c * sum(ks))
+            return (E0 + sum(sum(p[:k]) for p, k in zip(probs, ks))) / (T0 + c * sum(ks) + f * (sum(ks) > 0))
         best = max(rate(ks) for ks in itertools.product(*[range(len(p) + 1) for p in probs]))
-        assert rate(trim_drafts(probs, E0, T0, c)) == pytest.approx(best, rel=1e-12)
+        assert rate(trim_drafts(probs, E0, T0, c, f)) == pytest.approx(best, rel=1e-12)
     assert trim_drafts([[0.9, 0.8, 0.3], [0.4]], 2.0, 1.0, 0.2) == [2, 0]   # 0.4 * 1.4 < 0.2 * 3.7
     assert trim_drafts([[0.9, 0.8, 0.3], [0.4]], 2.0, 1.0, 0.0) == [3, 1]   # free verify: keep all
+    assert trim_drafts([[0.9]], 1.0, 1.0, 0.1, 1.0) == [0]     # 1.9 tokens in 2.1 s < 1 token in 1 s
 
 
 def test_policy_trims_confident_drafts_per_token():
@@ -291,7 +293,7 @@ def test_policy_trims_confident_drafts_per_token():
     from types import SimpleNamespace
     from nanospec.drafters.base import Proposal
     from nanospec.policies import SpeculationPolicy
-    lat = LatencyModel(coef=[1, 0, 0.02, 0, 0])    # step 1 + 0.02 * tokens: a token is 2% of a decode at B=1
+    lat = LatencyModel(coef=[1, 0, 0.02, 0, 0, 0])    # step 1 + 0.02 * tokens: a token is 2% of a decode at B=1
     pol = SpeculationPolicy(toggle=SpeculationToggle(lat, 1.05), confident_sources=["suffix"])
     for _ in range(8):
         pol.observe_acceptance("suffix", 4, 0)        # measured rate 0: would be toggled off
@@ -323,7 +325,7 @@ def test_class_budgets_cap_unrated_drafts_and_leave_rated_ones_to_the_toggle():
     classes = LengthClasses([18], [1, 3])
     seqs = [type("S", (), {"num_completion_tokens": 5, "predicted_len": 10, "__len__": lambda self: 20})()
             for _ in range(2)]
-    toggle = lambda: SpeculationToggle(LatencyModel(coef=[1, 0, 0.02, 0, 0]), 1.05)
+    toggle = lambda: SpeculationToggle(LatencyModel(coef=[1, 0, 0.02, 0, 0, 0]), 1.05)
     assert SpeculationPolicy(classes=classes, sources=["prior"], confident_sources=["prior"]).budgets(seqs, 8) == [1, 1]
     assert SpeculationPolicy(classes=classes, toggle=toggle(), sources=["prior", "suffix"],
                              confident_sources=["prior", "suffix"]).budgets(seqs, 8) == [8, 8]
@@ -353,7 +355,7 @@ def test_confidence_calibration_learns_measured_acceptance_per_position_and_bin(
 
 def test_best_k_prices_a_model_drafter_per_draft_token():
     """A drafter with its own model pays one forward per draft token: that shortens the best k."""
-    lat = LatencyModel(coef=[1, 0, 0.01, 0, 0])      # B=1: verify of k tokens ~ a decode (overhead-bound)
+    lat = LatencyModel(coef=[1, 0, 0.01, 0, 0, 0])      # B=1: verify of k tokens ~ a decode (overhead-bound)
     assert best_k(lat, 1, 10, 0.9, max_k=8)[0] == 8                                    # free drafts
     k, s = best_k(lat, 1, 10, 0.9, max_k=8, draft_time_per_token=0.25)                 # each 1/4 decode
     assert 1 < k < 8 and s == pytest.approx(max(
@@ -363,7 +365,7 @@ def test_best_k_prices_a_model_drafter_per_draft_token():
 
 def test_speedup_guard_suspends_speculation_that_measures_slower_than_plain_decoding():
     from nanospec.policies import SpeedupGuard
-    g = SpeedupGuard(min_steps=4, gap=3, max_gap=6, decay=1.0)
+    g = SpeedupGuard(min_steps=4, gap=3, max_gap=6, decay=1.0, min_speedup=1.0)
     for _ in range(30):
         g.observe(False, 1.1, 1.0, 1.0)              # plain steps measure 10% above the model
     assert g.ar_bias == pytest.approx(1.1, rel=0.01)
@@ -380,8 +382,8 @@ def test_speedup_guard_suspends_speculation_that_measures_slower_than_plain_deco
     for _ in range(4):
         g.observe(True, 1.5, 1.0, 1.2)
     assert g.trips == 2 and sum(not g.allows() for _ in range(8)) == 6  # the gap doubled (capped at 6)
-    g.reset()
-    assert g.allows() and g.trips == 0
+    g.reset()                                        # a new rollout step: counters reset, backoff kept
+    assert g.allows() and g.trips == 0 and g.gap == 6
     with pytest.raises(ValueError, match="gap"):
         SpeedupGuard(gap=0)
 
