@@ -18,7 +18,7 @@ draft: venv  ## the small draft model for `method: draft_model` (SFT only; runs/
 	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc_per_node=2 train.py --config configs/draft.yaml --sft-only
 
 mlp: venv    ## the n-gram MLP for `method: suffix_mlp`, distilled from runs/sft (~40 s; runs/ngram_mlp)
-	$(BIN)/python -m nanospec.drafters.suffix_mlp --model runs/sft --out runs/ngram_mlp
+	$(BIN)/python distill_mlp.py --model runs/sft --out runs/ngram_mlp
 
 smollm2: venv  ## a real model: SmolLM2-135M-Instruct (fetched once, ~93 MB) + GRPO on word problems, 2 CPU ranks
 	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc_per_node=2 train.py --config configs/smollm2_arith.yaml

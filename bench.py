@@ -47,7 +47,7 @@ def main(argv=None) -> int:
         print_table(rows, f"{suite} ({time.perf_counter() - t0:.0f}s)")
         result = {"suite": suite, "rows": rows, "argv": sys.argv, "torch_threads": args.threads}
         Path(args.out, f"{suite}.json").write_text(json.dumps(result, indent=2))
-        from nanospec.report import plot_bench
+        from nanospec.rl.report import plot_bench
         plot_bench([r for r in rows if "speedup" in r], str(Path(args.out, f"{suite}.png")), f"bench: {suite}")
         print(f"wrote {args.out}/{suite}.json and {suite}.png")
     return 0

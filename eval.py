@@ -27,9 +27,9 @@ DEFAULT_SPEC = [{"method": "prior", "num_draft_tokens": 8}, {"method": "suffix",
 
 def resolve(path: str):
     """-> (model dir, run config or None). A run dir resolves to its latest complete checkpoint."""
-    from nanospec.checkpoint import latest_checkpoint, verify_checkpoint
+    from nanospec.rl.checkpoint import latest_checkpoint, verify_checkpoint
     from nanospec.config import load_config
-    from nanospec.hub import resolve_model
+    from nanospec.models.hub import resolve_model
     p = Path(path)
     cfg = load_config(p / "config.yaml") if (p / "config.yaml").is_file() else None
     if (p / "config.json").is_file() or not p.is_dir():    # an HF dir, a .gguf file or a hub id

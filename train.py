@@ -7,7 +7,7 @@
 
 One process per rank: gloo on CPU, nccl on GPU; each rank uses run.num_threads torch threads
 (default 1: two ranks on two cores must not oversubscribe them). Rank 0 prints the summary and
-writes RUN_DIR/metrics.jsonl (`python -m nanospec.report RUN_DIR` plots it) and the checkpoints.
+writes RUN_DIR/metrics.jsonl (`python -m nanospec.rl.report RUN_DIR` plots it) and the checkpoints.
 """
 import argparse
 import sys
@@ -26,7 +26,7 @@ def main(argv=None) -> int:
         overrides.append("--run.resume=true")
 
     import torch
-    from nanospec import dist
+    from nanospec.rl import dist
     from nanospec.config import load_config
 
     cfg = load_config(args.config, overrides)      # config errors surface before any process group
@@ -35,12 +35,12 @@ def main(argv=None) -> int:
     ok = False
     try:
         if args.sft_only:
-            from nanospec.sft import prepare_sft_model
+            from nanospec.rl.sft import prepare_sft_model
             out = prepare_sft_model(cfg, log=print if dist.rank() == 0 else lambda *a: None)
             if dist.rank() == 0:
                 print(f"[sft] model in {out}")
         else:
-            from nanospec.grpo import Trainer
+            from nanospec.rl.grpo import Trainer
             Trainer(cfg).train()
         ok = True
     finally:

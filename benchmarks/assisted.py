@@ -1,5 +1,5 @@
 """A draft model at batch 1: nanospec (fixed k, and its default adaptive controller) vs transformers'
-assisted generation, on SmolLM2-135M-Instruct (`python -m nanospec.hub smollm2`).
+assisted generation, on SmolLM2-135M-Instruct (`python -m nanospec.models.hub smollm2`).
 
     python bench.py --suite assisted [--prompts 4] [--max-tokens 64] [--reps 3] [--ks 1,2,3,5,8,12]
 
@@ -27,7 +27,7 @@ SETTINGS = [("disagrees", 1.0, False), ("mostly agrees", 0.1, False), ("always a
 
 def make_pair(model_dir: str, out: str, scale: float, wrong: bool, tok) -> tuple[str, str]:
     """Write the (target, draft) HF dirs of one setting; see the module docstring."""
-    from nanospec.loader import load_model, save_model
+    from nanospec.models.loader import load_model, save_model
     target = load_model(model_dir)
     target.model.layers = target.model.layers[:8]
     target.args.num_layers = 8
@@ -105,7 +105,7 @@ def run(args) -> list[dict]:
     opts = ap.parse_args(args.extra)
     opts.ks = [int(k) for k in opts.ks.split(",")]
     from transformers import AutoTokenizer
-    from nanospec.hub import fetch_smollm2
+    from nanospec.models.hub import fetch_smollm2
     from nanospec.tasks import format_prompt, get_task
     model_dir = str(fetch_smollm2())
     tok = AutoTokenizer.from_pretrained(model_dir)

@@ -16,10 +16,10 @@ import time
 
 import torch
 
-from nanospec.cuda_graphs import kv_blocks_for_memory
-from nanospec.engine import LLM
-from nanospec.model import CausalLM, ModelArgs
-from nanospec.sequence import SamplingParams
+from nanospec.engine.cuda_graphs import kv_blocks_for_memory
+from nanospec.engine.llm import LLM
+from nanospec.models.decoder import CausalLM, ModelArgs
+from nanospec.engine.sequence import SamplingParams
 
 QWEN2_05B = dict(arch="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24,
                  num_heads=14, num_kv_heads=2, head_dim=64, attention_bias=True, tie_word_embeddings=True,

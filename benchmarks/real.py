@@ -1,4 +1,4 @@
-"""A real pretrained model (SmolLM2-135M-Instruct, `python -m nanospec.hub smollm2`), as users run it.
+"""A real pretrained model (SmolLM2-135M-Instruct, `python -m nanospec.models.hub smollm2`), as users run it.
 
     python bench.py --suite real [--prompts 1] [--G 8] [--max-tokens 128] [--history 0,1,5]
 
@@ -69,7 +69,7 @@ def engine_vs_transformers(model_dir, model, batches, max_tokens, repeats) -> li
 
 def truncated_draft(model_dir, layers: int, out: str) -> str:
     """The policy's first `layers` decoder layers + its final norm and head: a cheap same-vocab draft."""
-    from nanospec.loader import load_model, save_model
+    from nanospec.models.loader import load_model, save_model
     m = load_model(model_dir)
     m.model.layers = m.model.layers[:layers]
     m.args.num_layers = layers
@@ -150,8 +150,8 @@ def run(args) -> list[dict]:
     if args.quick:
         opts.history, opts.max_tokens, opts.G, opts.repeats, opts.batches, opts.reps = [0, 1], 32, 4, 1, "1,4", 1
     from transformers import AutoTokenizer
-    from nanospec.hub import fetch_smollm2, resolve_model
-    from nanospec.loader import load_model
+    from nanospec.models.hub import fetch_smollm2, resolve_model
+    from nanospec.models.loader import load_model
     model_dir = str(resolve_model(opts.model) if opts.model else fetch_smollm2())
     model, tok = load_model(model_dir), AutoTokenizer.from_pretrained(model_dir)
     rows = [] if opts.skip_engine else engine_vs_transformers(

@@ -67,14 +67,14 @@ def _rank_main(rank, port, model_path, opts, out_path):
     torch.set_num_threads(1)
     if hasattr(os, "sched_setaffinity") and (os.cpu_count() or 1) >= 2:
         os.sched_setaffinity(0, {rank})     # one core per rank, as one GPU per rank: a bubble never steals
-    from nanospec import dist
+    from nanospec.rl import dist
     from nanospec.config import Config, GRPOConfig, PoliciesConfig
-    from nanospec.engine import LLM
-    from nanospec.loader import load_model
-    from nanospec.model import CausalLM
-    from nanospec.policies import build_policy
-    from nanospec.rollout import RolloutWorker
-    from nanospec.sft import init_weights, model_args
+    from nanospec.engine.llm import LLM
+    from nanospec.models.loader import load_model
+    from nanospec.models.decoder import CausalLM
+    from nanospec.engine.controller import build_controller
+    from nanospec.rl.rollout import RolloutWorker
+    from nanospec.rl.sft import init_weights, model_args
     from nanospec.tasks import SyntheticTask, build_tokenizer
     dist.init_distributed(timeout_s=1200)
     tok, P = build_tokenizer(), opts["prompts"]
@@ -94,7 +94,7 @@ def _rank_main(rank, port, model_path, opts, out_path):
                   controller=None, speculative={"method": "ngram", "num_draft_tokens": SPEC_K} if spec == "bad" else spec)
         if spec == "bad":
             llm.drafter = bad_drafter(llm.vocab_size)
-        llm.controller = build_policy(cfg.policies, llm)     # after the drafter swap: it reads its sources
+        llm.controller = build_controller(cfg.policies, llm)     # after the drafter swap: it reads its sources
         workers[name] = RolloutWorker(llm, tok, cfg, rank, 2)
     start = {k: v.clone() for k, v in next(iter(workers.values())).llm.model.state_dict().items()}
     results = {name: [] for name in workers}

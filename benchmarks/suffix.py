@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 
 from nanospec.drafters.suffix import SuffixDrafter
-from nanospec.sequence import SamplingParams, Sequence
+from nanospec.engine.sequence import SamplingParams, Sequence
 
 CACHE = Path(os.environ.get("NANOSPEC_CACHE", Path.home() / ".cache" / "nanospec"))
 ARCTIC_DIR = Path(os.environ.get("NANOSPEC_ARCTIC", CACHE / "arctic"))
@@ -56,14 +56,14 @@ VARIANTS = [    # (row name, SuffixDrafter kwargs): the default, then one part o
 # ---- streams --------------------------------------------------------------------------------------
 def streams(opts) -> dict:
     """{"prompts": [Q prompt ids], str(T): [pass 1, pass 2]}, each pass Q x G completion ids."""
-    from nanospec.hub import resolve_model
+    from nanospec.models.hub import resolve_model
     model_dir = resolve_model(opts.model)
     key = json.dumps([str(model_dir), opts.questions, opts.G, opts.max_tokens, opts.temps, opts.seed])
     path = CACHE / "bench" / f"suffix_streams-{hashlib.sha1(key.encode()).hexdigest()[:12]}.json"
     if path.is_file():
         return json.loads(path.read_text())
     from transformers import AutoTokenizer
-    from nanospec.engine import LLM
+    from nanospec.engine.llm import LLM
     from nanospec.tasks import format_prompt, get_task
     tok = AutoTokenizer.from_pretrained(model_dir)
     prompts = [format_prompt(tok, problem.prompt) for problem in get_task("gsm8k").test(opts.questions)]

@@ -11,16 +11,16 @@ the default. Names of `grpo` knobs follow TRL's GRPOConfig.
 """
 from __future__ import annotations
 
+import numbers
 import types
 import typing
-import warnings
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from .drafters.chain import METHODS as DRAFT_METHODS
+from nanospec.drafters import registry
 
 
 @dataclass
@@ -157,7 +157,7 @@ class RolloutConfig:
                  "false unless device is cuda (CUDA graphs need a GPU)"),
                 ("gpu_memory_utilization", 0 < self.gpu_memory_utilization <= 1, "in (0, 1]"),
                 ("kv_cache_gib", self.kv_cache_gib is None or self.kv_cache_gib > 0, "null or a size in GiB > 0"),
-                *_speculative_rules(self.speculative)]
+                *registry.rules(self.speculative, default_k=None)]
 
 
 @dataclass
@@ -221,32 +221,19 @@ class Config:
         return yaml.safe_dump(config_to_dict(self), sort_keys=False)
 
 
+def check(ok: bool, field: str, expected: str, got) -> None:
+    """The one argument check of the library: a ValueError naming the field, what it expected, what came."""
+    if not ok:
+        raise ValueError(f"{field}: expected {expected}, got {got!r}")
+
+
+def is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
 def _pos(sec, *keys):
     """Rules 'key > 0' (None passes: those keys mean 'auto')."""
     return [(k, getattr(sec, k) is None or getattr(sec, k) > 0, "> 0") for k in keys]
-
-
-def _speculative_rules(spec):
-    """(key, ok, expected) rules for rollout.speculative; warns when a lossy option is on."""
-    if spec is None:
-        return []
-    specs = spec if isinstance(spec, list) else [spec]
-    if not specs or not all(isinstance(s, dict) for s in specs):
-        return [("speculative", False, "null, a {method, num_draft_tokens, ...} dict or a non-empty list of them", spec)]
-    out = []
-    for i, s in enumerate(specs):
-        key = f"speculative[{i}]" if isinstance(spec, list) else "speculative"
-        k, m, len_ = s.get("num_draft_tokens"), s.get("method"), s.get("lenience", 1.0)
-        out += [(f"{key}.method", m in DRAFT_METHODS, f"one of {', '.join(DRAFT_METHODS)}", m),
-                (f"{key}.num_draft_tokens", isinstance(k, int) and not isinstance(k, bool) and k >= 1, "an int >= 1", k),
-                (f"{key}.model", m != "draft_model" or isinstance(s.get("model"), str),
-                 "a draft model directory (method draft_model needs `model`)", s.get("model")),
-                (f"{key}.lenience", _is_num(len_) and (len_ == 1 or (len_ > 1 and m == "prior")),
-                 "1 (exact); > 1 only with method prior (LOSSY)", len_)]
-        if m == "prior" and _is_num(len_) and len_ > 1:
-            warnings.warn(f"rollout.{key}.lenience={len_} is LOSSY: rollouts no longer follow the "
-                          f"policy's distribution exactly (SPEC-RL lenient acceptance)", stacklevel=4)
-    return out
 
 
 def _is_num(v) -> bool:

@@ -2,11 +2,11 @@
 import pytest
 import torch
 
-from nanospec.cuda_graphs import GraphRunner, batch_buckets, kv_block_bytes, kv_blocks_for_memory
-from nanospec.engine import LLM
-from nanospec.model import CausalLM, ModelArgs
-from nanospec.runner import Runner
-from nanospec.sequence import SamplingParams, Sequence
+from nanospec.engine.cuda_graphs import GraphRunner, batch_buckets, kv_block_bytes, kv_blocks_for_memory
+from nanospec.engine.llm import LLM
+from nanospec.models.decoder import CausalLM, ModelArgs
+from nanospec.engine.runner import Runner
+from nanospec.engine.sequence import SamplingParams, Sequence
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 BS = 4

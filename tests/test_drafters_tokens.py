@@ -6,11 +6,12 @@ import pytest
 import torch
 
 from nanospec.drafters.base import Drafter, Proposal
-from nanospec.drafters.chain import ChainDrafter, find_drafter, make_drafter
+from nanospec.drafters import registry
+from nanospec.drafters.chain import ChainDrafter, find_drafter
 from nanospec.drafters.ngram import NgramDrafter
 from nanospec.drafters.prior import PriorRolloutDrafter
 from nanospec.drafters.suffix import SuffixDrafter, _Trie
-from nanospec.sequence import SamplingParams, Sequence
+from nanospec.engine.sequence import SamplingParams, Sequence
 
 
 def mkseq(prompt, completion=(), key=None, idx=0, logprobs=None):
@@ -292,23 +293,21 @@ def test_chain_lenient_merge_and_hooks():
     assert find_drafter(chain, "prior") is prior and find_drafter(prior, "suffix") is None
 
 
-def test_make_drafter():
-    d = make_drafter({"method": "ngram", "num_draft_tokens": 4, "n_max": 3})
+def test_registry_builds_and_validates():
+    d = registry.build({"method": "ngram", "num_draft_tokens": 4, "n_max": 3})
     assert isinstance(d, NgramDrafter) and d.n_max == 3
-    built = []
-    c = make_drafter([{"method": "prior", "num_draft_tokens": 4}, {"method": "suffix", "depth": 16},
-                      {"method": "self", "num_draft_tokens": 4}],
-                     model_drafter_factory=lambda spec: built.append(spec) or FakeStochastic(), vocab_size=16)
-    assert isinstance(c, ChainDrafter) and [m.name for m in c.drafters] == ["prior", "suffix", "fake"]
-    assert built == [{"method": "self", "num_draft_tokens": 4}] and c.drafters[1].depth == 16
-    assert make_drafter(None) is None
-    assert isinstance(make_drafter([{"method": "suffix"}]), SuffixDrafter)
+    c = registry.build([{"method": "prior", "num_draft_tokens": 4}, {"method": "suffix", "depth": 16}])
+    assert isinstance(c, ChainDrafter) and [m.name for m in c.drafters] == ["prior", "suffix"]
+    assert c.drafters[1].depth == 16
+    assert registry.build(None) is None
+    assert isinstance(registry.build([{"method": "suffix"}]), SuffixDrafter)
+    assert registry.canonical("self") == "self_nf4"          # the old name stays accepted
     for spec, msg in [({"method": "medusa"}, "medusa"), ({"method": "ngram", "depth": 3}, "depth"),
-                      ({"method": "draft_model", "model": "x"}, "model_drafter_factory"),
+                      ({"method": "draft_model", "model": "x"}, "needs the engine's target"),
                       ({"method": "ngram", "num_draft_tokens": 0}, "num_draft_tokens"), ([], "list"),
                       ({"num_draft_tokens": 2}, "method")]:
         with pytest.raises(ValueError, match=msg):
-            make_drafter(spec)
+            registry.build(spec)
 
 
 # ---- budgets --------------------------------------------------------------------------------------

@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from conftest import ARCHS
-from nanospec import sampler
-from nanospec.engine import LLM
-from nanospec.loader import load_model, save_model
-from nanospec.runner import Runner
-from nanospec.sampler import SamplingTensors
-from nanospec.sequence import SamplingParams, Sequence
+from nanospec.engine import sampler
+from nanospec.engine.llm import LLM
+from nanospec.models.loader import load_model, save_model
+from nanospec.engine.runner import Runner
+from nanospec.engine.sampler import SamplingTensors
+from nanospec.engine.sequence import SamplingParams, Sequence
 
 ATOL = 1e-4
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
@@ -258,7 +258,7 @@ def test_kv_pool_too_small_for_one_sequence_is_a_clear_error(models):
 
 
 def test_cpu_kv_pool_comes_from_a_byte_budget(models):
-    from nanospec.cuda_graphs import kv_block_bytes
+    from nanospec.engine.cuda_graphs import kv_block_bytes
     big = LLM(models["llama"], block_size=16, max_num_seqs=64)          # max_model_len 256: 64 x 16 blocks
     assert big.blocks.num_blocks == 64 * 16                              # the budget is not the limit here
     small = LLM(models["llama"], block_size=16, max_num_seqs=64, kv_cache_gib=0.001)

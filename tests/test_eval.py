@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, make_hf_model
-from nanospec.checkpoint import save_checkpoint
+from nanospec.rl.checkpoint import save_checkpoint
 from nanospec.config import config_from_dict, save_config
-from nanospec.loader import load_model
+from nanospec.models.loader import load_model
 from nanospec.tasks import build_tiny_vocab_tokenizer, build_tokenizer
 from nanospec.tasks.gsm8k import INSTRUCTION
 
@@ -102,8 +102,8 @@ def test_eval_gsm8k_rows_tiny_qwen3(tmp_path):
 def test_gsm8k_config_trains_one_step_tiny_qwen3(tmp_path):
     """configs/gsm8k_qwen3.yaml plumbing on CPU: GSM8K rows, a chat-template tokenizer, Qwen3 layout."""
     from nanospec.config import load_config
-    from nanospec.grpo import Trainer
-    from nanospec.report import load_metrics
+    from nanospec.rl.grpo import Trainer
+    from nanospec.rl.report import load_metrics
     data, tok, d = tiny_qwen3_on_gsm8k(tmp_path)
     run = tmp_path / "run"
     cfg = load_config(ROOT / "configs" / "gsm8k_qwen3.yaml", [

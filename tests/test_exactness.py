@@ -17,9 +17,9 @@ from conftest import make_hf_model
 from nanospec.drafters.base import Drafter, Proposal
 from nanospec.drafters.chain import ChainDrafter, find_drafter
 from nanospec.drafters.prior import PriorRolloutDrafter
-from nanospec.engine import LLM
-from nanospec.loader import load_model
-from nanospec.sequence import SamplingParams
+from nanospec.engine.llm import LLM
+from nanospec.models.loader import load_model
+from nanospec.engine.sequence import SamplingParams
 
 ATOL = 1e-4
 K = 3                                    # num_draft_tokens
@@ -250,7 +250,7 @@ def v8(tmp_path_factory):
 
 
 def reference_probs(logits: torch.Tensor, params: SamplingParams, swap_filters: bool = False) -> torch.Tensor:
-    """The sampling distribution written out here, independent of nanospec.sampler: softmax(logits / T)
+    """The sampling distribution written out here, independent of nanospec.engine.sampler: softmax(logits / T)
     after top-k (the k largest logits) and then top-p over the renormalised survivors (the smallest head,
     in descending order, whose mass reaches top_p: a token is kept while the mass ranked above it is
     < top_p) -- the HF / vLLM order. `swap_filters` applies top-p first: the bug the suite must catch."""
@@ -360,7 +360,10 @@ def check_exact(llm, outs, dist, label):
     assert st["proposed_tokens"] > 1000 and st["accepted_tokens"] > 0, f"{label}: too few drafts {dict(st)}"
     msg = (f"{label}: chi-square p={p:.2e}, TV={tv:.4f} (exact sampling: {floor:.4f} +- {sd:.4f}), "
            f"accepted {st['accepted_tokens']}/{st['proposed_tokens']} drafts")
-    assert p > 0.01 and tv < floor + 6 * sd, msg
+    # 1e-3, not 0.01: cases with a controller draft by wall-clock timings, so their draws change from
+    # run to run and a 1% false alarm per run is too many; the mutations this suite exists to catch
+    # score p < 1e-30 (test_model_drafters_sampling_from_q_are_exact)
+    assert p > 1e-3 and tv < floor + 6 * sd, msg
     return p, tv
 
 
@@ -468,8 +471,8 @@ def _exact_case(model, exact, case, key, **llm_kw):
     if case == "prior_suffix_policies":     # draft lengths from past acceptance: toggle trimming + ladder
         def setup(llm):
             from nanospec.config import PoliciesConfig
-            from nanospec.policies import build_policy
-            llm.controller = build_policy(PoliciesConfig(length_classes=[], draft_ladder=[1, 2, 3]), llm)
+            from nanospec.engine.controller import build_controller
+            llm.controller = build_controller(PoliciesConfig(length_classes=[], draft_ladder=[1, 2, 3]), llm)
     llm, outs = sample_with(model, spec, params, drafter, setup, **llm_kw)
     if case == "prior_suffix_policies":     # the per-token trimming ran (it cut ~half the drafts here)
         assert "suffix" in llm.controller.calibration._counts

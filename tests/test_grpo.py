@@ -10,14 +10,14 @@ import torch.multiprocessing as mp
 
 from conftest import make_hf_model
 from nanospec import SamplingParams
-from nanospec.checkpoint import latest_checkpoint, list_checkpoints, verify_checkpoint
+from nanospec.rl.checkpoint import latest_checkpoint, list_checkpoints, verify_checkpoint
 from nanospec.config import config_from_dict
-from nanospec.grpo import Trainer, completion_logprobs, make_microbatch
-from nanospec.loader import save_model
-from nanospec.model import CausalLM, ModelArgs
-from nanospec.report import load_metrics
-from nanospec.rollout import Sample
-from nanospec.sft import init_weights
+from nanospec.rl.grpo import Trainer, completion_logprobs, make_microbatch
+from nanospec.models.loader import save_model
+from nanospec.models.decoder import CausalLM, ModelArgs
+from nanospec.rl.report import load_metrics
+from nanospec.rl.rollout import Sample
+from nanospec.rl.sft import init_weights
 from nanospec.tasks import build_tokenizer, format_prompt
 
 OFF = {"bubble_drafting": False, "length_aware_assignment": False, "length_classes": [], "toggle": False,
@@ -165,20 +165,20 @@ def test_acceptance_collapse_warns_for_stale_self_drafter(tmp_path):
 
     for _ in range(3):
         m, w = rollout_and_check()
-        assert not w and m["drafter/self/checksum_ok"] == 1.0 and m["drafter/self/acceptance_rate"] > 0.6
+        assert not w and m["drafter/self_nf4/checksum_ok"] == 1.0 and m["drafter/self_nf4/acceptance_rate"] > 0.6
     new_layer_weights(1, 4.0)
     tr.sync_weights()                                   # a big update, drafter refreshed: no alarm
     m, w = rollout_and_check()
-    assert not w and m["drafter/self/checksum_ok"] == 1.0, (m, w)
+    assert not w and m["drafter/self_nf4/checksum_ok"] == 1.0, (m, w)
     new_layer_weights(2, 1.0)
     with torch.no_grad():                              # a missed refresh: engine updated, NF4 copy stale
         for name, t in tr.policy.state_dict().items():
             tr.llm.model.state_dict()[name].copy_(t)
     m, w = rollout_and_check()
-    assert m["drafter/self/checksum_ok"] == 0.0 and m["drafter/self/acceptance_rate"] < 0.1
+    assert m["drafter/self_nf4/checksum_ok"] == 0.0 and m["drafter/self_nf4/acceptance_rate"] < 0.1
     assert any("stale drafter" in x for x in w) and not any("collapsed" in x for x in w), w
     m, w = rollout_and_check()                          # collapse persists for `patience` = 2 steps
-    assert any("acceptance collapsed" in x and "'self'" in x for x in w), w
+    assert any("acceptance collapsed" in x and "'self_nf4'" in x for x in w), w
 
 
 def test_checkpoint_roundtrip_and_corruption(tmp_path):
@@ -219,7 +219,7 @@ def test_checkpoint_roundtrip_and_corruption(tmp_path):
 
 
 def test_drafter_monitor_ignores_noise_but_not_a_sustained_collapse():
-    from nanospec.grpo import DrafterMonitor
+    from nanospec.rl.grpo import DrafterMonitor
     mon = DrafterMonitor()
     step = lambda rate, n=200: mon.update({"drafter/suffix/acceptance_rate": rate, "drafter/suffix/proposed": n})
     for r in (0.3, 0.1, 0.25, 0.2, 0.02, 0.3, 0.01, 0.25, 0.0):   # noisy, single dips, tiny counts

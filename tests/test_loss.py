@@ -1,10 +1,10 @@
-"""nanospec.loss: hand-computed advantages/losses, micro-batch additivity, TIS, mismatch, logprobs."""
+"""nanospec.rl.loss: hand-computed advantages/losses, micro-batch additivity, TIS, mismatch, logprobs."""
 import math
 
 import pytest
 import torch
 
-from nanospec.loss import group_advantages, logprob_mismatch, policy_loss, tis_weights, token_logprobs
+from nanospec.rl.loss import group_advantages, logprob_mismatch, policy_loss, tis_weights, token_logprobs
 
 A = pytest.approx
 

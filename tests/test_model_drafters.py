@@ -6,9 +6,10 @@ import torch
 
 from conftest import make_hf_model
 from nanospec import LLM, SamplingParams
-from nanospec.drafters.model_drafter import build_model_drafter
-from nanospec.loader import load_model
-from nanospec.sampler import SamplingTensors, probs
+from nanospec.drafters.base import DraftTarget
+from nanospec.drafters.model_drafter import self_nf4_drafter
+from nanospec.models.loader import load_model
+from nanospec.engine.sampler import SamplingTensors, probs
 from nanospec.tasks.tokenizer import build_tiny_vocab_tokenizer
 
 WORDS = [f"w{i}" for i in range(57)]            # + 7 specials = vocab 64; eos = 2
@@ -36,7 +37,7 @@ def ragged_prompts(n, seed=0):
 
 
 def self_spec(k=3):
-    return {"method": "self", "num_draft_tokens": k}
+    return {"method": "self_nf4", "num_draft_tokens": k}
 
 
 @pytest.mark.parametrize("kv,n", [({}, 1), ({}, 6), (TINY_KV, 6)], ids=["kv-1", "kv-6", "tiny_kv-6"])
@@ -156,7 +157,8 @@ def test_refresh_requantizes_in_place(dirs):
             return m.logits(m(x))
     with torch.no_grad():
         llm.model.load_state_dict(sd)                    # policy moved, drafter not told (no refresh)
-    fresh = build_model_drafter(self_spec(), llm)        # what the drafter should now be
+    fresh = self_nf4_drafter(DraftTarget(llm.model, llm.vocab_size, llm.blocks.num_blocks, llm.blocks.block_size,
+                                         llm.device))       # what the drafter should now be
     assert not d.checksum_matches(llm.model) and not d.checksum_matches(policy)
     assert (drafter_logits(d.model).argmax(-1) != drafter_logits(fresh.model).argmax(-1)).any()
     llm.load_weights(sd)                                 # in place + drafter.refresh(model)
@@ -181,9 +183,9 @@ def test_bad_configs_fail_at_startup(dirs, tmp_path):
     other = model_dir(tmp_path / "tok", words=[f"x{i}" for i in range(57)], hidden_size=32, layers=1)
     with pytest.raises(ValueError, match="tokenizer of draft model"):
         LLM(dirs["target"], controller=None, speculative={"method": "draft_model", "model": other})
-    with pytest.raises(ValueError, match="'model'"):
+    with pytest.raises(ValueError, match=r"speculative\.model: expected a draft model directory"):
         LLM(dirs["target"], controller=None, speculative={"method": "draft_model"})
-    with pytest.raises(ValueError, match="unknown option.*'model'"):
+    with pytest.raises(ValueError, match="option of self_nf4.*'model'"):
         LLM(dirs["target"], controller=None, speculative={"method": "self", "model": small})
 
 

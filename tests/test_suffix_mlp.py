@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from nanospec.drafters.suffix_mlp import NGramMLP, SuffixMLPDrafter, distill
-from nanospec.engine import LLM
-from nanospec.loader import load_model
-from nanospec.sequence import SamplingParams
+from nanospec.engine.llm import LLM
+from nanospec.models.loader import load_model
+from nanospec.engine.sequence import SamplingParams
 from test_exactness import (FILTERED, K, TEMP1, V, check_exact, exact, repetitive_prompts,  # noqa: F401
                             sample_with, v8)
 
@@ -51,12 +51,12 @@ def test_suffix_mlp_sampling_is_exact_under_the_policies(v8, exact):
     feeds the toggle's per-token trimming and the ladder: draft lengths then depend on the drafts'
     confidence and past acceptance, and the samples must still be exact."""
     from nanospec.config import PoliciesConfig
-    from nanospec.policies import build_policy
+    from nanospec.engine.controller import build_controller
     drafter = SuffixMLPDrafter(peaked_mlp(V), override=0.8, min_mlp_prob=0.3, min_path_prob=0.0)
     counts = counting(drafter)
 
     def setup(llm):
-        llm.controller = build_policy(PoliciesConfig(length_classes=[], draft_ladder=[1, 2, 3]), llm)
+        llm.controller = build_controller(PoliciesConfig(length_classes=[], draft_ladder=[1, 2, 3]), llm)
     llm, outs = sample_with(v8, {"method": "suffix", "num_draft_tokens": K}, TEMP1, drafter=drafter, setup=setup)
     assert "suffix_mlp" in llm.controller.calibration._counts and counts["mlp"] > 500
     check_exact(llm, outs, exact["temp1"], "suffix_mlp/policies")
@@ -110,7 +110,7 @@ def test_distill_imitates_the_target_and_round_trips(tiny_models, tmp_path):
         LLM(path, controller=None, speculative={**spec, "model": str(tmp_path)})
     with pytest.raises(ValueError, match="override"):
         LLM(path, controller=None, speculative={**spec, "override": 2.0})
-    with pytest.raises(ValueError, match="unknown option"):
+    with pytest.raises(ValueError, match="expected an option of suffix_mlp"):
         LLM(path, controller=None, speculative={**spec, "depth": 8})
 
 
@@ -136,7 +136,7 @@ def test_untrained_mlp_learns_online_from_observed_rollouts(tiny_models):
     assert loss() < 0.8 * before and drafter.new_examples == 0
     assert not drafter.mlp.training
     # a GRPO checkpoint keeps what it learned (checkpoint.engine_state: trie, examples, MLP, optimizer)
-    from nanospec.checkpoint import engine_state, load_engine_state
+    from nanospec.rl.checkpoint import engine_state, load_engine_state
     resumed = LLM(tiny_models["llama"][0], max_num_seqs=32, controller=None, speculative={"method": "suffix_mlp", "num_draft_tokens": 4})
     load_engine_state(resumed, engine_state(llm))
     other = resumed.drafter

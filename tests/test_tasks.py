@@ -5,7 +5,7 @@ import random
 import numpy as np
 import pytest
 
-from nanospec.tasks import GSM8KTask, SyntheticTask, build_tiny_vocab_tokenizer, build_tokenizer, format_prompt, get_task
+from nanospec.tasks import (GSM8KTask, SyntheticTask, build_tiny_vocab_tokenizer, build_tokenizer, format_prompt, get_task)
 from nanospec.tasks.gsm8k import default_data_dir, extract_answer
 from nanospec.tasks.synthetic import VOCAB
 

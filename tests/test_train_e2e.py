@@ -37,7 +37,7 @@ def test_default_two_ranks_checkpoint_and_resume(tmp_path):
     out, recs = train(tmp_path, tmp_path / "a")
     assert [r["step"] for r in recs] == [0, 1, 2]
     assert all(len(r["rank_busy_time"]) == 2 and r["speculative"] == "prior+suffix" for r in recs)
-    assert "before" in out and "after" in out and "python -m nanospec.report" in out
+    assert "before" in out and "after" in out and "python -m nanospec.rl.report" in out
     ck = tmp_path / "a" / "checkpoints"
     assert sorted(p.name for p in ck.iterdir()) == ["step_000002", "step_000003"]
     from transformers import AutoModelForCausalLM

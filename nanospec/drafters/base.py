@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..sequence import Sequence
+from nanospec.engine.sequence import Sequence
 
 
 @dataclass
@@ -35,6 +35,20 @@ class Proposal:
     def __post_init__(self):
         if self.sources is None:
             self.sources = [""] * len(self.tokens)
+
+
+@dataclass
+class DraftTarget:
+    """What a drafter with a model of its own sees of the engine, and no more: the target model (the
+    nf4 self-drafter quantizes it), its vocabulary, the KV block geometry the drafter's own cache
+    shares, the device, and the tokenizer (a draft model must speak the same one)."""
+    model: torch.nn.Module
+    vocab_size: int
+    num_blocks: int
+    block_size: int
+    device: torch.device
+    tokenizer: object = None
+    name: str = "the target"
 
 
 def check_budget(seqs: list[Sequence], num_tokens: list[int]) -> None:

@@ -1,4 +1,4 @@
-"""Several drafting methods tried in order per sequence, and the factory from the speculative config.
+"""Several drafting methods tried in order per sequence (`speculative: [prior, suffix, ...]`).
 
 Why: history drafters are free but often have nothing to say (a new prompt, a diverged sample),
 while a model drafter always guesses but costs a forward. `ChainDrafter([prior, suffix, self])`
@@ -12,16 +12,11 @@ with 1.0 (the exact rule) where a member gave none.
 """
 from __future__ import annotations
 
-import inspect
-
 import torch
 
-from ..sequence import Sequence
-from .base import Drafter, Proposal
-from .base import check_budget
-from .ngram import NgramDrafter
-from .prior import PriorRolloutDrafter
-from .suffix import SuffixDrafter
+from nanospec.engine.sequence import Sequence
+from nanospec.drafters.base import Drafter, Proposal
+from nanospec.drafters.base import check_budget
 
 
 class ChainDrafter(Drafter):
@@ -118,41 +113,3 @@ def members(drafter: Drafter | None) -> list[Drafter]:
 def find_drafter(drafter: Drafter | None, name: str) -> Drafter | None:
     """The drafter called `name`, itself or a chain member (e.g. the "prior" one, to add() bubble drafts)."""
     return next((d for d in members(drafter) if d.name == name), None)
-
-
-_METHODS = {"ngram": NgramDrafter, "suffix": SuffixDrafter, "prior": PriorRolloutDrafter}
-DEFAULT_DRAFT_TOKENS = 5     # num_draft_tokens when a method dict leaves it out (configs/*.yaml must set it)
-_MODEL_METHODS = ("self", "draft_model", "suffix_mlp")   # built with the engine (build_model_drafter)
-METHODS = (*_METHODS, *_MODEL_METHODS)     # every `method` the speculative config accepts
-ENGINE_KEYS = {"method", "num_draft_tokens"}   # read by the engine, not passed to the drafter
-
-
-def make_drafter(spec, **ctx) -> Drafter | None:
-    """speculative config -> Drafter. spec: None (plain AR), {"method": M, "num_draft_tokens": k, **opts}
-    or a list of such dicts (tried in order per sequence). Model methods go to ctx["model_drafter_factory"]."""
-    if spec is None:
-        return None
-    if isinstance(spec, (list, tuple)):
-        if not spec:
-            raise ValueError("speculative: expected a method dict or a non-empty list of them, got []")
-        members = [make_drafter(s, **ctx) for s in spec]
-        return members[0] if len(members) == 1 else ChainDrafter(members)
-    if not isinstance(spec, dict) or "method" not in spec:
-        raise ValueError(f"speculative: expected a dict with a 'method' key, got {spec!r}")
-    method, k = spec["method"], spec.get("num_draft_tokens", DEFAULT_DRAFT_TOKENS)
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"speculative[{method}]: num_draft_tokens must be an int >= 1, got {k!r}")
-    if method in _MODEL_METHODS:
-        factory = ctx.get("model_drafter_factory")
-        if factory is None:
-            raise ValueError(f"speculative method {method!r} needs ctx['model_drafter_factory'] (the engine's)")
-        return factory(spec)
-    if method not in _METHODS:
-        raise ValueError(f"speculative: unknown method {method!r}; expected one of {list(METHODS)}")
-    cls = _METHODS[method]
-    opts = {key: v for key, v in spec.items() if key not in ENGINE_KEYS}
-    allowed = set(inspect.signature(cls).parameters)
-    if set(opts) - allowed:
-        raise ValueError(f"speculative[{method}]: unknown option(s) {sorted(set(opts) - allowed)}; "
-                         f"accepted: {sorted(allowed | ENGINE_KEYS)}")
-    return cls(**opts)

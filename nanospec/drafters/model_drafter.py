@@ -36,17 +36,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .. import sampler
-from ..loader import load_model
-from ..runner import Runner
-from ..sampler import SamplingTensors
-from ..sequence import Sequence
-from .base import Drafter, Proposal
+from nanospec.engine import sampler
+from nanospec.models.loader import load_model
+from nanospec.engine.runner import Runner
+from nanospec.engine.sampler import SamplingTensors
+from nanospec.engine.sequence import Sequence
+from nanospec.drafters.base import Drafter, DraftTarget, Proposal
 
-OPTIONS = {"self": {"method", "num_draft_tokens", "seed"},
-           "draft_model": {"method", "num_draft_tokens", "seed", "model"},
-           "suffix_mlp": {"method", "num_draft_tokens", "seed", "model", "override", "min_mlp_prob", "min_path_prob",
-                          "learn_epochs", "learn_lr", "buffer"}}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
@@ -54,9 +50,10 @@ class ModelDrafter(Drafter):
     stochastic = True
     needs_kv = True
 
-    def __init__(self, name: str, model: nn.Module, llm, seed: int = 0, quantized: dict | None = None):
-        self.name, self.model, self.vocab_size = name, model, llm.vocab_size
-        self.runner = Runner(model, llm.blocks.num_blocks, llm.blocks.block_size)
+    def __init__(self, name: str, model: nn.Module, target: DraftTarget, seed: int = 0,
+                 quantized: dict | None = None):
+        self.name, self.model, self.vocab_size = name, model, target.vocab_size
+        self.runner = Runner(model, target.num_blocks, target.block_size)
         self.device = self.runner.device
         self.generator = torch.Generator().manual_seed(seed)   # draft sampling only, not verify's uniforms
         self.quantized = quantized or {}                       # policy module name -> its Linear4bit
@@ -168,52 +165,30 @@ def quantize_policy(policy: nn.Module) -> tuple[nn.Module, dict[str, nn.Module]]
             quantized[name] = q
             setattr(model.get_submodule(parent), attr, q)
     if kept:
-        warnings.warn(f"speculative[self]: {len(kept)} of {len(kept) + len(quantized)} layers stay in full "
+        warnings.warn(f"speculative[self_nf4]: {len(kept)} of {len(kept) + len(quantized)} layers stay in full "
                       f"precision (bitsandbytes' CPU NF4 kernel needs in_features % 32 == 0): {', '.join(kept)}")
     return model.eval(), quantized
 
 
-def _load_draft_model(path, llm) -> nn.Module:
-    """The draft model in the target's dtype/device; it must speak the target's vocabulary."""
-    target = getattr(llm, "model_path", None) or getattr(llm.tokenizer, "name_or_path", None) or "the target"
-    model = load_model(path, dtype=next(llm.model.parameters()).dtype, device=llm.device)
-    if model.args.vocab_size != llm.vocab_size:
-        raise ValueError(f"speculative[draft_model]: draft model {path} has vocab_size {model.args.vocab_size} "
-                         f"but target {target} has {llm.vocab_size}; the two must share one vocabulary")
-    if llm.tokenizer is not None and any((Path(path) / f).is_file() for f in TOKENIZER_FILES):
+def self_nf4_drafter(target: DraftTarget, seed: int = 0) -> ModelDrafter:
+    """{"method": "self_nf4"}: an NF4 copy of the policy, re-quantized after every weight sync."""
+    model, quantized = quantize_policy(target.model)
+    return ModelDrafter("self_nf4", model, target, seed, quantized)
+
+
+def draft_model_drafter(target: DraftTarget, model: str, seed: int = 0) -> ModelDrafter:
+    """{"method": "draft_model", "model": DIR}: a small model in the target's dtype and device; it must
+    speak the target's vocabulary (same size and, where DIR has a tokenizer, the same tokens)."""
+    draft = load_model(model, dtype=next(target.model.parameters()).dtype, device=target.device)
+    if draft.args.vocab_size != target.vocab_size:
+        raise ValueError(f"speculative[draft_model]: draft model {model} has vocab_size {draft.args.vocab_size} "
+                         f"but target {target.name} has {target.vocab_size}; the two must share one vocabulary")
+    if target.tokenizer is not None and any((Path(model) / f).is_file() for f in TOKENIZER_FILES):
         from transformers import AutoTokenizer
-        dv, tv = AutoTokenizer.from_pretrained(str(path)).get_vocab(), llm.tokenizer.get_vocab()
+        dv, tv = AutoTokenizer.from_pretrained(str(model)).get_vocab(), target.tokenizer.get_vocab()
         if dv != tv:
             diff = sorted(set(dv.items()) ^ set(tv.items()), key=str)[:4]
-            raise ValueError(f"speculative[draft_model]: tokenizer of draft model {path} differs from the "
-                             f"target's ({target}): {len(dv)} vs {len(tv)} entries, e.g. (token, id) {diff} "
+            raise ValueError(f"speculative[draft_model]: tokenizer of draft model {model} differs from the "
+                             f"target's ({target.name}): {len(dv)} vs {len(tv)} entries, e.g. (token, id) {diff} "
                              "are in only one of them")
-    return model
-
-
-def build_model_drafter(spec: dict, llm) -> Drafter:
-    """speculative {"method": "self" | "draft_model" | "suffix_mlp", "num_draft_tokens": k, "model": path,
-    "seed": s, ...}: the drafters that need the engine (its model, vocabulary, block pool)."""
-    method = spec.get("method")
-    if method not in OPTIONS:
-        raise ValueError(f"speculative: method must be one of {sorted(OPTIONS)} here, got {method!r}")
-    unknown = set(spec) - OPTIONS[method]
-    if unknown:
-        raise ValueError(f"speculative[{method}]: unknown option(s) {sorted(unknown)}; "
-                         f"accepted: {sorted(OPTIONS[method])}")
-    seed = spec.get("seed", 0)
-    if method == "suffix_mlp":
-        from .suffix_mlp import SuffixMLPDrafter
-        # no "model": an untrained MLP that learns online from the rollouts (suffix_mlp.py)
-        drafter = SuffixMLPDrafter(spec.get("model"), vocab_size=llm.vocab_size, seed=seed, **{
-            k: spec[k] for k in OPTIONS[method] - {"method", "num_draft_tokens", "seed", "model"} if k in spec})
-        if drafter.mlp.vocab_size != llm.vocab_size:
-            raise ValueError(f"speculative[suffix_mlp]: the n-gram MLP in {spec.get('model')} has vocab_size "
-                             f"{drafter.mlp.vocab_size} but the target has {llm.vocab_size}")
-        return drafter
-    if method == "self":
-        model, quantized = quantize_policy(llm.model)
-        return ModelDrafter("self", model, llm, seed, quantized)
-    if not spec.get("model"):
-        raise ValueError("speculative[draft_model]: 'model' (path to an HF model directory) is required")
-    return ModelDrafter("draft_model", _load_draft_model(spec["model"], llm), llm, seed)
+    return ModelDrafter("draft_model", draft, target, seed)

@@ -10,8 +10,8 @@ only with the tokens appended since the last call (O(n_max * new tokens + k) per
 """
 from __future__ import annotations
 
-from ..sequence import Sequence
-from .base import Drafter
+from nanospec.engine.sequence import Sequence
+from nanospec.drafters.base import Drafter
 
 
 class NgramDrafter(Drafter):

@@ -24,9 +24,9 @@ from collections import Counter, deque
 
 import torch
 
-from ..sequence import Sequence
-from .base import Drafter, Proposal
-from .base import check_budget
+from nanospec.engine.sequence import Sequence
+from nanospec.drafters.base import Drafter, Proposal
+from nanospec.drafters.base import check_budget
 
 
 class _Entry:

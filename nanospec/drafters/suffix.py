@@ -44,8 +44,8 @@ from __future__ import annotations
 from collections import deque
 from operator import attrgetter
 
-from ..sequence import Sequence
-from .base import Drafter, Proposal, check_budget
+from nanospec.engine.sequence import Sequence
+from nanospec.drafters.base import Drafter, Proposal, check_budget
 
 _count = attrgetter("count")
 

@@ -43,10 +43,10 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from .. import sampler
-from ..sequence import SamplingParams, Sequence
-from .base import Drafter, Proposal
-from .suffix import SuffixDrafter
+from nanospec.engine import sampler
+from nanospec.engine.sequence import SamplingParams, Sequence
+from nanospec.drafters.base import Drafter, Proposal
+from nanospec.drafters.suffix import SuffixDrafter
 
 CONFIG = "ngram_mlp.json"
 WEIGHTS = "model.safetensors"
@@ -97,7 +97,7 @@ class NGramMLP(nn.Module):
         path = Path(path)
         if not (path / CONFIG).is_file() or not (path / WEIGHTS).is_file():
             raise ValueError(f"speculative[suffix_mlp]: {path} holds no n-gram MLP (expected {CONFIG} and "
-                             f"{WEIGHTS}; make one with `python -m nanospec.drafters.suffix_mlp`)")
+                             f"{WEIGHTS}; make one with `python distill_mlp.py` (make mlp))")
         model = cls(**json.loads((path / CONFIG).read_text()))
         model.load_state_dict(load_file(str(path / WEIGHTS)))
         return model.eval()
@@ -273,21 +273,11 @@ class SuffixMLPDrafter(Drafter):
             self.mlp.eval()
 
 
-def main(argv=None) -> None:
-    """python -m nanospec.drafters.suffix_mlp --model runs/sft --out runs/ngram_mlp  (embedded task)"""
-    import argparse
-    from ..engine import LLM
-    from ..tasks import SyntheticTask, format_prompt
-    ap = argparse.ArgumentParser(description="distill an n-gram MLP drafter from a model on the embedded task")
-    ap.add_argument("--model", default="runs/sft")
-    ap.add_argument("--out", default="runs/ngram_mlp")
-    ap.add_argument("--prompts", type=int, default=128, help="train prompts, 8 samples each")
-    args = ap.parse_args(argv)
-    llm = LLM(args.model, max_num_seqs=64)
-    prompts = [format_prompt(llm.tokenizer, p.prompt) for p in SyntheticTask(seed=0).train(args.prompts)]
-    distill(llm, prompts).save(args.out)
-    print(f"[suffix_mlp] wrote {args.out}")
-
-
-if __name__ == "__main__":
-    main()
+def suffix_mlp_drafter(target, model: str | None = None, **options) -> SuffixMLPDrafter:
+    """{"method": "suffix_mlp", "model": DIR or null}: null starts an untrained MLP that learns online;
+    `options` are SuffixMLPDrafter's. The MLP must predict over the target's vocabulary."""
+    drafter = SuffixMLPDrafter(model, vocab_size=target.vocab_size, **options)
+    if drafter.mlp.vocab_size != target.vocab_size:
+        raise ValueError(f"speculative[suffix_mlp]: the n-gram MLP in {model} has vocab_size "
+                         f"{drafter.mlp.vocab_size} but the target has {target.vocab_size}")
+    return drafter

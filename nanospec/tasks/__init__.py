@@ -7,10 +7,10 @@
 Prompts become token ids with `format_prompt(tokenizer, problem.prompt)` (chat template + generation
 prompt); completions are scored after `tokenizer.decode(ids, skip_special_tokens=True)`.
 """
-from .arith import ArithTask
-from .gsm8k import GSM8KTask
-from .synthetic import Problem, SyntheticTask
-from .tokenizer import build_tiny_vocab_tokenizer, build_tokenizer, format_prompt
+from nanospec.tasks.arith import ArithTask
+from nanospec.tasks.gsm8k import GSM8KTask
+from nanospec.tasks.synthetic import Problem, SyntheticTask
+from nanospec.tasks.tokenizer import build_tiny_vocab_tokenizer, build_tokenizer, format_prompt
 
 TASKS = {"synthetic": SyntheticTask, "gsm8k": GSM8KTask, "arith": ArithTask}
 _KNOBS = {"synthetic": ("seed", "min_steps", "max_steps", "zipf_alpha", "modulus", "test_fraction", "final_weight"),

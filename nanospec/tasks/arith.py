@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import random
 
-from .gsm8k import _NUM, extract_answer
-from .synthetic import Problem, _in_test
+from nanospec.tasks.gsm8k import _NUM, extract_answer
+from nanospec.tasks.synthetic import Problem, _in_test
 
 NAMES = ["Mia", "Tom", "Anna", "Ben", "Lily", "Sam", "Noah", "Emma", "Leo", "Ava"]
 ITEMS = ["apples", "coins", "books", "pens", "cards", "stickers", "marbles", "stamps"]

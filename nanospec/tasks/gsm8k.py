@@ -11,7 +11,7 @@ import random
 import re
 from pathlib import Path
 
-from .synthetic import Problem
+from nanospec.tasks.synthetic import Problem
 
 INSTRUCTION = "Solve step by step, then give the final number after '####'."
 _NUM = re.compile(r"-?\$?\s*\d[\d,]*(?:\.\d+)?|-?\.\d+")

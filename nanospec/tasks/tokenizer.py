@@ -46,11 +46,11 @@ def build_tiny_vocab_tokenizer(words: list[str]) -> PreTrainedTokenizerFast:
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
     """The embedded task's tokenizer: its vocabulary (see synthetic.VOCAB)."""
-    from .synthetic import VOCAB
+    from nanospec.tasks.synthetic import VOCAB
     return build_tiny_vocab_tokenizer(VOCAB)
 
 
 def format_prompt(tokenizer, text: str, **template_kwargs) -> list[int]:
     """Token ids of one user turn + the generation prompt (what `LLM.chat` feeds for that turn)."""
-    from ..engine import chat_prompt_ids
+    from nanospec.models.loader import chat_prompt_ids
     return chat_prompt_ids(tokenizer, [{"role": "user", "content": text}], **template_kwargs)

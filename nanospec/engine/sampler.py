@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .sequence import SamplingParams
+from nanospec.engine.sequence import SamplingParams
 
 
 SERIAL_SCAN_DEVICES = {"cpu"}   # cumsum is a serial loop there: monotone, bit for bit

@@ -1,146 +1,32 @@
-"""When and where to speculate: cost model, on/off toggle, draft-length ladder, length-aware scheduling.
+"""When and how much to speculate: the engine's draft controller and the pieces it is made of.
 
-Everything here only chooses *how much* to speculate (on/off, k, which rank runs which prompt); none
-of it touches what is sampled, so every policy is exact by construction (speculative.py verifies).
-Sources: EfficientRollout: system-aware toggle, acceptance-aware draft length;
-DAS (distribution-aware speculative decoding): length-aware inter-rank assignment and per-length
-speculation budgets;
-Leviathan et al. 2023, eq. 1: expected tokens per verify step under i.i.d. acceptance.
+Everything here only chooses *how much* to speculate (on/off, k per row); none of it touches what is
+sampled, so every choice is exact by construction (verify.py). Sources: EfficientRollout:
+system-aware toggle, acceptance-aware draft length; DAS (distribution-aware speculative decoding):
+per-length speculation budgets; Leviathan et al. 2023, eq. 1: expected tokens per verify step under
+i.i.d. acceptance.
 """
 from __future__ import annotations
 
 import bisect
-import hashlib
 import itertools
-import json
-import math
 import operator
-import os
-import statistics
-from collections import defaultdict, deque
-from pathlib import Path
-from typing import Callable, Hashable, Sequence
+from collections import defaultdict
+from dataclasses import replace
+from typing import Sequence
 
 import numpy as np
-from scipy.optimize import nnls
 
-
-def _check(ok: bool, field: str, expected: str, got) -> None:
-    if not ok:
-        raise ValueError(f"{field}: expected {expected}, got {got!r}")
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
-
-
-class LatencyModel:
-    """Seconds of one batched target step: t(B, C, Q) = w . [1, B, B*Q, B*C, B*Q*C, [Q > 1]].
-
-    B = sequences in the step, C = mean cached context per sequence, Q = query tokens per sequence
-    (1 = plain decode, k+1 = verify). One feature per cost a decoder step pays:
-      1      fixed per-step overhead (Python, kernel launches; dominates at batch 1 on CPU)
-      B      per-sequence work (sampling, cache indexing)
-      B*Q    token-proportional matmuls (projections + MLP over B*Q rows)
-      B*C    reading each sequence's KV cache once (memory traffic, independent of Q)
-      B*Q*C  attention: every query token against every cached key
-      [Q>1]  a verify step's fixed extra: packing a ragged batch, the rejection sampler's residuals.
-             A step with one draft token pays it in full, so a lone likely draft may not pay.
-    Fit: nonnegative least squares on *relative* error (each row divided by its time). Nonnegative
-    weights on nondecreasing features keep t monotone in B, C and Q, so noise never makes a longer
-    verify look cheaper; relative error keeps the ~1 ms small-batch steps, where the toggle's call
-    matters most (the rollout's tail), as accurate as the 20 ms large-batch ones.
-    Online: `observe` keeps the `fit` samples as anchors (they cover Q > 1 even while the toggle is
-    off and only decodes are timed) plus a bounded deque of recent samples; refit every `refit_every`.
-    """
-
-    def __init__(self, coef: Sequence[float] | None = None, min_seconds: float = 1e-6,
-                 buffer: int = 256, refit_every: int = 16):
-        _check(min_seconds > 0, "min_seconds", "> 0", min_seconds)
-        _check(_is_int(buffer) and buffer >= 1, "buffer", "an int >= 1", buffer)
-        _check(_is_int(refit_every) and refit_every >= 1, "refit_every", "an int >= 1", refit_every)
-        if coef is not None:
-            coef = np.asarray(coef, dtype=float)
-            _check(coef.shape == (6,) and bool(np.all(coef >= 0)), "coef", "6 nonnegative floats", coef)
-        self.min_seconds, self.refit_every = min_seconds, refit_every
-        self._set(coef)
-        self.anchors: list[tuple] = []
-        self.recent: deque = deque(maxlen=buffer)
-        self._since_fit = 0
-
-    @staticmethod
-    def features(B, C, Q) -> np.ndarray:
-        """[1, B, B*Q, B*C, B*Q*C, Q>1]: [6] for one (B, C, Q), [6, n] for arrays of n samples."""
-        B, C, Q = (np.asarray(v, dtype=float) for v in (B, C, Q))
-        return np.stack([np.ones_like(B), B, B * Q, B * C, B * Q * C, (Q > 1).astype(float)])
-
-    @staticmethod
-    def _sample(s) -> tuple:
-        _check(len(s) == 4, "sample", "(B, C, Q, seconds)", s)
-        B, C, Q, t = s
-        _check(B >= 1 and C >= 0 and Q >= 1, "sample", "B >= 1, C >= 0, Q >= 1", s)
-        _check(math.isfinite(t) and t > 0, "sample seconds", "a finite time > 0", t)
-        return float(B), float(C), float(Q), float(t)
-
-    def fit(self, samples: Sequence[tuple]) -> "LatencyModel":
-        _check(len(samples) > 0, "samples", "a non-empty list of (B, C, Q, seconds)", samples)
-        self.anchors = [self._sample(s) for s in samples]
-        self._refit()
-        return self
-
-    def _refit(self) -> None:
-        rows = np.array(self.anchors + list(self.recent))                # [n, 4]: B, C, Q, seconds
-        X, y = self.features(rows[:, 0], rows[:, 1], rows[:, 2]).T, rows[:, 3]
-        X = X / y[:, None]                                 # minimise sum(((pred - t) / t)^2)
-        scale = np.linalg.norm(X, axis=0)
-        scale[scale == 0] = 1.0                            # e.g. all C == 0: that weight stays 0
-        w, _ = nnls(X / scale, np.ones(len(rows)))         # column scaling: B*Q*C ~ 1e6 vs 1
-        self._set(w / scale)
-        self._since_fit = 0
-
-    def _set(self, coef) -> None:
-        self.coef = coef
-        self._w = None if coef is None else tuple(map(float, coef))   # plain floats: predict is hot
-
-    def predict(self, B: float, C: float, Q: float) -> float:
-        """w . features(B, C, Q), in Python floats (~1 us; the toggle calls it ~2*k times per step)."""
-        if self._w is None:
-            raise RuntimeError("LatencyModel.predict: not fitted; call fit() or calibrate() first")
-        w1, wB, wBQ, wBC, wBQC, wV = self._w
-        return max(w1 + B * (wB + Q * wBQ + C * wBC + Q * C * wBQC) + (wV if Q > 1 else 0.0), self.min_seconds)
-
-    def token_cost(self, C: float) -> float:
-        """Seconds one more verified token adds to a packed step at context C (d t / d(B*Q))."""
-        return self._w[2] + C * self._w[4]
-
-    @property
-    def verify_overhead(self) -> float:
-        """Seconds a step pays once when it verifies any draft at all (the [Q > 1] weight)."""
-        return self._w[5]
-
-    def observe(self, B: float, C: float, Q: float, seconds: float) -> None:
-        self.recent.append(self._sample((B, C, Q, seconds)))
-        self._since_fit += 1
-        if self._since_fit >= self.refit_every:
-            self._refit()
-
-    def calibrate(self, time_fn: Callable[[int, int, int], float], batch_sizes: Sequence[int],
-                  ctx_lens: Sequence[int], query_lens: Sequence[int], repeats: int = 3) -> list:
-        """Time every (B, C, Q) of the grid `repeats` times, fit on the medians (robust to warm-up
-        and the ±10% run-to-run noise), return the samples."""
-        _check(_is_int(repeats) and repeats >= 1, "repeats", "an int >= 1", repeats)
-        samples = [(B, C, Q, statistics.median(float(time_fn(B, C, Q)) for _ in range(repeats)))
-                   for B in batch_sizes for C in ctx_lens for Q in query_lens]
-        self.fit(samples)
-        return samples
+from nanospec.config import check, is_int
+from nanospec.engine.latency import LatencyModel, profiled_latency
 
 
 def expected_accepted(alpha: float, k: int) -> float:
     """E[accepted drafts] of k, each accepted w.p. alpha until the first rejection:
     (1 - alpha^(k+1)) / (1 - alpha) - 1 (Leviathan et al. eq. 1 minus the bonus token)
     = alpha + ... + alpha^k, summed directly so alpha = 1 gives k without cancellation."""
-    _check(0.0 <= alpha <= 1.0, "alpha", "a probability in [0, 1]", alpha)
-    _check(_is_int(k) and k >= 0, "k", "an int >= 0", k)
+    check(0.0 <= alpha <= 1.0, "alpha", "a probability in [0, 1]", alpha)
+    check(is_int(k) and k >= 0, "k", "an int >= 0", k)
     return float(sum(alpha ** i for i in range(1, k + 1)))
 
 
@@ -156,8 +42,8 @@ def best_k(latency: LatencyModel, batch_size: float, ctx_len: float, alpha: floa
     """The k in 1..max_k with the highest predicted speedup, drafting k tokens costing
     draft_time + k * draft_time_per_token seconds: a history drafter's propose() costs about the same
     for any k, a model drafter runs one forward of its own per draft token. Ties go to the shorter draft."""
-    _check(_is_int(max_k) and max_k >= 1, "max_k", "an int >= 1", max_k)
-    _check(0.0 <= alpha <= 1.0, "alpha", "a probability in [0, 1]", alpha)
+    check(is_int(max_k) and max_k >= 1, "max_k", "an int >= 1", max_k)
+    check(0.0 <= alpha <= 1.0, "alpha", "a probability in [0, 1]", alpha)
     t_ar, best, accepted, alpha_k = latency.predict(batch_size, ctx_len, 1), (1, -1.0), 0.0, 1.0
     for k in range(1, max_k + 1):      # expected_accepted(alpha, k), summed as k grows
         alpha_k *= alpha
@@ -203,9 +89,9 @@ class ConfidenceCalibration:
     """
 
     def __init__(self, bins: int = 10, positions: int = 8, prior_weight: float = 8.0, max_count: int = 16384):
-        _check(_is_int(bins) and bins >= 1, "bins", "an int >= 1", bins)
-        _check(_is_int(positions) and positions >= 1, "positions", "an int >= 1", positions)
-        _check(prior_weight > 0, "prior_weight", "> 0", prior_weight)
+        check(is_int(bins) and bins >= 1, "bins", "an int >= 1", bins)
+        check(is_int(positions) and positions >= 1, "positions", "an int >= 1", positions)
+        check(prior_weight > 0, "prior_weight", "> 0", prior_weight)
         self.bins, self.positions, self.m, self.max_count = bins, positions, prior_weight, max_count
         # source -> (flat [positions * bins] lists of tested and accepted counts, total tested); plain
         # Python lists: this runs per draft token, where numpy's per-call overhead would dominate
@@ -241,7 +127,7 @@ class SpeculationToggle:
     self-drafter on CPU: bitsandbytes dequantizes per call) is switched off by the numbers, not by a rule."""
 
     def __init__(self, latency: LatencyModel, min_speedup: float = 1.05):
-        _check(min_speedup > 0, "min_speedup", "> 0", min_speedup)
+        check(min_speedup > 0, "min_speedup", "> 0", min_speedup)
         self.latency, self.min_speedup = latency, min_speedup
         self.reset_stats()
 
@@ -284,10 +170,10 @@ class SpeedupGuard:
 
     def __init__(self, min_steps: int = 8, gap: int = 16, max_gap: int = 512, decay: float = 0.9,
                  min_speedup: float = 1.05):
-        _check(_is_int(min_steps) and min_steps >= 1, "min_steps", "an int >= 1", min_steps)
-        _check(_is_int(gap) and 1 <= gap <= max_gap, "gap", f"an int in [1, max_gap={max_gap}]", gap)
-        _check(0 < decay <= 1, "decay", "in (0, 1]", decay)
-        _check(min_speedup > 0, "min_speedup", "> 0", min_speedup)
+        check(is_int(min_steps) and min_steps >= 1, "min_steps", "an int >= 1", min_steps)
+        check(is_int(gap) and 1 <= gap <= max_gap, "gap", f"an int in [1, max_gap={max_gap}]", gap)
+        check(0 < decay <= 1, "decay", "in (0, 1]", decay)
+        check(min_speedup > 0, "min_speedup", "> 0", min_speedup)
         self.min_steps, self.base_gap, self.max_gap, self.decay = min_steps, gap, max_gap, decay
         self.min_speedup = min_speedup
         self.gap, self.suspended, self.ar_bias = gap, 0, 1.0
@@ -353,12 +239,12 @@ class DraftLengthLadder:
     def __init__(self, ladder: Sequence[int] = (3, 5, 7, 9, 11), up: float = 0.94, down: float = 0.85,
                  window: int = 128, start: int = 0):
         ladder = tuple(ladder)
-        _check(len(ladder) > 0 and all(_is_int(k) and k >= 1 for k in ladder)
+        check(len(ladder) > 0 and all(is_int(k) and k >= 1 for k in ladder)
                and all(a < b for a, b in zip(ladder, ladder[1:])),
                "ladder", "a non-empty strictly increasing sequence of ints >= 1", ladder)
-        _check(0 < down < up <= 1, "up/down", "0 < down < up <= 1", (up, down))
-        _check(_is_int(window) and window >= 1, "window", "an int >= 1 (proposed tokens)", window)
-        _check(_is_int(start) and 0 <= start < len(ladder), "start", f"a rung index in [0, {len(ladder)})", start)
+        check(0 < down < up <= 1, "up/down", "0 < down < up <= 1", (up, down))
+        check(is_int(window) and window >= 1, "window", "an int >= 1 (proposed tokens)", window)
+        check(is_int(start) and 0 <= start < len(ladder), "start", f"a rung index in [0, {len(ladder)})", start)
         self.ladder, self.up, self.down, self.window, self.start = ladder, up, down, window, start
         self._s: dict[str, dict] = {}
 
@@ -369,11 +255,11 @@ class DraftLengthLadder:
     def update(self, name: str, proposed: int, accepted: int, rejected: int | None = None) -> int:
         """One verify step of one sequence (`rejected` defaults to accepted < proposed), or counts
         summed over several steps with `rejected` = how many of them stopped early. Returns current k."""
-        _check(_is_int(proposed) and proposed >= 0, "proposed", "an int >= 0", proposed)
-        _check(_is_int(accepted) and 0 <= accepted <= proposed, "accepted", f"an int in [0, {proposed}]", accepted)
+        check(is_int(proposed) and proposed >= 0, "proposed", "an int >= 0", proposed)
+        check(is_int(accepted) and 0 <= accepted <= proposed, "accepted", f"an int in [0, {proposed}]", accepted)
         need = int(accepted < proposed)
         rejected = need if rejected is None else rejected
-        _check(_is_int(rejected) and rejected >= need, "rejected", f"an int >= {need}", rejected)
+        check(is_int(rejected) and rejected >= need, "rejected", f"an int >= {need}", rejected)
         s = self._state(name)
         s["proposed"] += proposed; s["accepted"] += accepted; s["rejected"] += rejected
         if s["proposed"] >= self.window:
@@ -406,97 +292,6 @@ class DraftLengthLadder:
         return s["accepted"] / n if n else None
 
 
-class LengthPredictor:
-    """Response-length prediction per prompt (DAS) from that prompt's earlier rollouts.
-
-    Per prompt: an EMA (weight `decay` on the newest) of a group statistic, by default the max over
-    the G samples (a GRPO group is done when its slowest sample is). Unseen prompts: a least-squares
-    line in the prompt's length, fitted on every group observed so far (on the embedded task a k-step
-    answer has 4k+2 tokens and a 2k+1-word prompt, and long questions tend to have long answers in
-    general), so balancing works from the first step instead of giving every new prompt one mean;
-    the running mean when all prompts seen had one length; `prior` before any observation.
-    """
-
-    def __init__(self, prior: float = 64.0, decay: float = 0.5, reduce: str = "max"):
-        _check(prior >= 0, "prior", "a length >= 0", prior)
-        _check(0 < decay <= 1, "decay", "in (0, 1]", decay)
-        _check(reduce in ("max", "mean"), "reduce", "'max' or 'mean'", reduce)
-        self.prior, self.decay, self.reduce = float(prior), decay, reduce
-        self.ema: dict[Hashable, float] = {}
-        self.sums = [0.0] * 5       # n, sum x, sum y, sum x^2, sum xy; x = prompt length, y = statistic
-
-    def observe(self, prompt_key: Hashable, lengths: Sequence[int], prompt_len: int = 0) -> None:
-        _check(len(lengths) > 0 and all(x >= 0 for x in lengths), "lengths",
-               "a non-empty list of lengths >= 0", lengths)
-        _check(prompt_len >= 0, "prompt_len", "a length >= 0", prompt_len)
-        y = float(max(lengths) if self.reduce == "max" else sum(lengths) / len(lengths))
-        old = self.ema.get(prompt_key)
-        self.ema[prompt_key] = y if old is None else (1 - self.decay) * old + self.decay * y
-        for i, v in enumerate((1.0, prompt_len, y, prompt_len * prompt_len, prompt_len * y)):
-            self.sums[i] += v
-
-    def predict(self, prompt_key: Hashable, prompt_len: int = 0) -> float:
-        if prompt_key in self.ema:
-            return self.ema[prompt_key]
-        n, sx, sy, sxx, sxy = self.sums
-        if n == 0:
-            return self.prior
-        var = n * sxx - sx * sx
-        if var <= 1e-9 * max(n * sxx, 1.0):       # one prompt length seen: no slope to fit
-            return sy / n
-        slope = (n * sxy - sx * sy) / var
-        return max(0.0, (sy - slope * sx) / n + slope * prompt_len)
-
-    def state_dict(self) -> dict:
-        return {"prior": self.prior, "decay": self.decay, "reduce": self.reduce,
-                "sums": list(self.sums), "ema": dict(self.ema)}
-
-    def load_state_dict(self, state: dict) -> None:
-        missing = {"prior", "decay", "reduce", "sums", "ema"} - set(state)
-        _check(not missing, "state", f"a LengthPredictor state_dict (missing {sorted(missing)})", sorted(state))
-        self.__init__(state["prior"], state["decay"], state["reduce"])
-        self.sums, self.ema = [float(v) for v in state["sums"]], dict(state["ema"])
-
-
-def assign_to_ranks(predicted_work: Sequence[float], world_size: int) -> list[list[int]]:
-    """Longest-processing-time-first with a cardinality constraint (DAS inter-GPU balancing).
-
-    Synchronous data parallel needs the same number of prompts per rank, so each rank holds exactly
-    n / world_size; prompts in decreasing predicted work (ties: lower index first) go to the least
-    loaded rank that is not full (ties: lower rank). Longest-first also spreads the longest prompts
-    one per rank, the interleaving that bounds each rank's tail. Each rank's list comes out in
-    decreasing predicted work, so it can start its stragglers first.
-    """
-    n = len(predicted_work)
-    _check(_is_int(world_size) and world_size >= 1, "world_size", "an int >= 1", world_size)
-    _check(n % world_size == 0, "predicted_work", f"a length divisible by world_size={world_size}", n)
-    _check(all(math.isfinite(w) and w >= 0 for w in predicted_work), "predicted_work",
-           "finite values >= 0", predicted_work)
-    cap, ranks, load = n // world_size, [[] for _ in range(world_size)], [0.0] * world_size
-    for i in sorted(range(n), key=lambda i: (-predicted_work[i], i)):
-        r = min((r for r in range(world_size) if len(ranks[r]) < cap), key=lambda r: (load[r], r))
-        ranks[r].append(i)
-        load[r] += predicted_work[i]
-    return ranks
-
-
-def round_robin(n: int, world_size: int) -> list[list[int]]:
-    """Baseline: prompt i goes to rank i % world_size."""
-    _check(_is_int(world_size) and world_size >= 1, "world_size", "an int >= 1", world_size)
-    return [list(range(r, n, world_size)) for r in range(world_size)]
-
-
-def rank_work(predicted_work: Sequence[float], assignment: list[list[int]]) -> list[float]:
-    return [float(sum(predicted_work[i] for i in idx)) for idx in assignment]
-
-
-def imbalance(work_per_rank: Sequence[float]) -> float:
-    """max / mean work per rank: 1.0 is perfect balance; synchronous DP waits for the max."""
-    _check(len(work_per_rank) > 0, "work_per_rank", "a non-empty list", work_per_rank)
-    mean = sum(work_per_rank) / len(work_per_rank)
-    return max(work_per_rank) / mean if mean > 0 else 1.0
-
-
 class LengthClasses:
     """Length -> class -> speculation budget (draft-length cap; the toggle still decides per step).
 
@@ -508,20 +303,20 @@ class LengthClasses:
     `for_engine` derives the budgets from a fitted LatencyModel (the default:
     `policies.length_class_budgets: null`); the embedded task's classes are [18, 72] (~median, ~p90).
     With the toggle on, drafters that rate their drafts (prior, suffix) are trimmed per token instead
-    (SpeculationPolicy.budgets): the budgets then cap only the others (ngram, self, draft model).
+    (DraftController.budgets): the budgets then cap only the others (ngram, self, draft model).
     """
 
     def __init__(self, thresholds: Sequence[float], budgets: Sequence[int]):
         thresholds, budgets = tuple(thresholds), tuple(budgets)
-        _check(all(t > 0 for t in thresholds) and all(a < b for a, b in zip(thresholds, thresholds[1:])),
+        check(all(t > 0 for t in thresholds) and all(a < b for a, b in zip(thresholds, thresholds[1:])),
                "thresholds", "strictly increasing lengths > 0", thresholds)
-        _check(len(budgets) == len(thresholds) + 1, "budgets",
+        check(len(budgets) == len(thresholds) + 1, "budgets",
                f"len(thresholds) + 1 = {len(thresholds) + 1} entries", budgets)
-        _check(all(_is_int(b) and b >= 0 for b in budgets), "budgets", "ints >= 0", budgets)
+        check(all(is_int(b) and b >= 0 for b in budgets), "budgets", "ints >= 0", budgets)
         self.thresholds, self.budgets = thresholds, budgets
 
     def class_of(self, length: float) -> int:
-        _check(length >= 0, "length", ">= 0", length)
+        check(length >= 0, "length", ">= 0", length)
         return bisect.bisect_right(self.thresholds, length)
 
     def budget(self, length: float) -> int:
@@ -534,7 +329,7 @@ class LengthClasses:
         """Per class, the k maximising predicted speedup at that class's typical batch size and
         context (one entry per class), or 0 where even the best k is below min_speedup."""
         n = len(tuple(thresholds)) + 1
-        _check(len(batch_sizes) == n and len(ctx_lens) == n, "batch_sizes/ctx_lens",
+        check(len(batch_sizes) == n and len(ctx_lens) == n, "batch_sizes/ctx_lens",
                f"{n} entries each (one per class)", (batch_sizes, ctx_lens))
         budgets = []
         for B, C in zip(batch_sizes, ctx_lens):
@@ -554,8 +349,8 @@ class LengthClasses:
         return cls.from_cost_model(latency, t, batch, ctx, alpha, max_k=max_k, min_speedup=min_speedup)
 
 
-class SpeculationPolicy:
-    """The engine's one hook into the policies above (`LLM(..., policy=SpeculationPolicy(...))`).
+class DraftController:
+    """The engine's one hook into the policies above (`LLM(..., policy=DraftController(...))`).
 
     Per decode step: `budgets` gives each sequence its draft-length cap = min(ladder rung, length-class
     budget of max(predicted, current) response length; with a toggle, the class budget only where
@@ -588,9 +383,9 @@ class SpeculationPolicy:
                  probe_every_max: int = 256, probe_rows: int = 4, sources: Sequence[str] = (),
                  confident_sources: Sequence[str] = (), kv_sources: Sequence[str] = (),
                  draft_latency: LatencyModel | None = None):
-        _check(_is_int(probe_every) and 1 <= probe_every <= probe_every_max, "probe_every",
+        check(is_int(probe_every) and 1 <= probe_every <= probe_every_max, "probe_every",
                f"an int in [1, probe_every_max={probe_every_max}]", probe_every)
-        _check(_is_int(probe_rows) and probe_rows >= 1, "probe_rows", "an int >= 1", probe_rows)
+        check(is_int(probe_rows) and probe_rows >= 1, "probe_rows", "an int >= 1", probe_rows)
         self.ladder, self.classes, self.toggle = ladder, classes, toggle
         self.default_alpha, self.probe_every, self.probe_every_max = default_alpha, probe_every, probe_every_max
         self.probe_rows = probe_rows
@@ -791,53 +586,12 @@ class SpeculationPolicy:
             self.guard.reset()
 
 
-def profiled_latency(llm, drafter=None, query_lens=(1, 4, 8)) -> LatencyModel:
-    """A LatencyModel fitted to a short profile of the target's (or a model drafter's) forward on this
-    machine (EfficientRollout: the toggle's cost model is measured, not assumed). The profile is cached
-    on disk per model shape, dtype, device, threads and torch version (`profile_cache_path`), so a
-    second engine on the same machine starts without profiling; online samples refit it as it runs."""
-    max_seqs, ctx = llm.scheduler.max_num_seqs, min(64, llm.max_model_len // 2)
-    grid = dict(batch_sizes=[b for b in (1, 8, 32) if b <= max_seqs], ctx_lens=[ctx // 2, ctx],
-                query_lens=list(query_lens))
-    path = profile_cache_path(llm.model if drafter is None else drafter.model, llm.device, grid)
-    latency = LatencyModel()
-    if path.is_file():
-        try:
-            return latency.fit([tuple(r) for r in json.loads(path.read_text())["samples"]])
-        except (ValueError, KeyError, TypeError, json.JSONDecodeError):
-            pass                     # a damaged cache entry is simply profiled again
-    samples = latency.calibrate(lambda B, C, Q: llm.time_forward(B, C, Q, drafter=drafter), repeats=3, **grid)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps({"samples": samples}))
-    os.replace(tmp, path)            # atomic: a concurrent rank reads the old file or the new one
-    return latency
-
-
-def profile_cache_path(model, device, grid: dict):
-    """$NANOSPEC_CACHE/profiles/<hash>.json, keyed by everything the timings depend on but the weights."""
-    import platform
-    import torch
-    from .hub import cache_dir
-    if device.type == "cuda":
-        dev = torch.cuda.get_device_name(device)
-    else:      # the CPU model where Linux names it (platform.processor() is often empty there)
-        cpuinfo = Path("/proc/cpuinfo")
-        names = [ln.split(":", 1)[1].strip() for ln in (cpuinfo.read_text().splitlines() if cpuinfo.is_file() else [])
-                 if ln.startswith("model name")]
-        dev = f"{names[0] if names else platform.processor() or platform.machine()} x{os.cpu_count()}"
-    layers = sorted({type(m).__name__ for m in model.modules()})
-    key = json.dumps([repr(model.args), str(next(model.parameters()).dtype), dev, torch.get_num_threads(),
-                      torch.__version__, layers, grid], sort_keys=True)
-    return cache_dir() / "profiles" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
-
-
-def build_policy(cfg, llm) -> SpeculationPolicy | None:
+def build_controller(cfg, llm) -> DraftController | None:
     """From the `policies` config section (config.py) to an engine policy, calibrating the toggle's
     latency model with a short profile of this engine on this machine (EfficientRollout)."""
     if not (cfg.toggle or cfg.adaptive_draft_length or cfg.length_classes):
         return None
-    from .drafters.chain import members
+    from nanospec.drafters.chain import members
     ladder = DraftLengthLadder(cfg.draft_ladder, cfg.ladder_up, cfg.ladder_down) if cfg.adaptive_draft_length else None
     auto_budgets = bool(cfg.length_classes) and cfg.length_class_budgets is None
     latency, draft_latency, max_seqs = None, None, llm.scheduler.max_num_seqs
@@ -854,7 +608,7 @@ def build_policy(cfg, llm) -> SpeculationPolicy | None:
     elif cfg.length_classes:
         classes = LengthClasses(cfg.length_classes, cfg.length_class_budgets)
     toggle = SpeculationToggle(latency, cfg.toggle_min_speedup) if cfg.toggle else None
-    return SpeculationPolicy(ladder=ladder, classes=classes, toggle=toggle,
+    return DraftController(ladder=ladder, classes=classes, toggle=toggle,
                              sources=llm.drafter.sources if llm.drafter is not None else (),
                              confident_sources=[n for d in members(llm.drafter) if d.confident for n in d.sources],
                              kv_sources=[n for d in model_drafters for n in d.sources],

@@ -26,10 +26,10 @@ from pathlib import Path
 
 import torch
 
-from . import dist
-from .loader import save_model
-from .model import CausalLM, ModelArgs
-from .tasks import build_tokenizer, format_prompt, task_from_config
+from nanospec.rl import dist
+from nanospec.models.loader import save_model
+from nanospec.models.decoder import CausalLM, ModelArgs
+from nanospec.tasks import build_tokenizer, format_prompt, task_from_config
 
 FINGERPRINT = "sft_fingerprint.json"
 

@@ -5,7 +5,7 @@ Per step, every rank (same code, same global prompt list from the seeded data or
      length-aware LPT with equal counts (DAS, `policies.assign_to_ranks`) or a contiguous split;
   2. generates its share, G samples per prompt, with `llm.add_request` + `llm.step` (not
      `generate`: it must poll between engine steps); each sequence carries `predicted_len`, which
-     the engine's SpeculationPolicy maps to a length-class draft budget;
+     the engine's DraftController maps to a length-class draft budget;
   3. arrives at a non-blocking `DoneSignal` and, while slower ranks still generate, spends its bubble
      pre-generating the *next* step's prompts with its current weights (BubbleSpec). The signal is
      polled between engine steps, so this stops within one (deliberately small-batch) step of the
@@ -29,12 +29,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Hashable
 
-from . import dist
-from .drafters.chain import find_drafter
-from .engine import LLM, summarize
-from .policies import LengthPredictor, assign_to_ranks, imbalance, rank_work
-from .sequence import SamplingParams
-from .tasks import Problem, format_prompt
+from nanospec.rl import dist
+from nanospec.drafters.chain import find_drafter
+from nanospec.engine.llm import LLM, summarize
+from nanospec.rl.scheduling import LengthPredictor, assign_to_ranks, imbalance, rank_work
+from nanospec.engine.sequence import SamplingParams
+from nanospec.tasks import Problem, format_prompt
 
 
 @dataclass

@@ -22,18 +22,18 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from . import speculative
-from .block_manager import BlockManager
-from .drafters.base import Drafter, Proposal
-from .drafters.chain import DEFAULT_DRAFT_TOKENS, make_drafter, members
-from .drafters.model_drafter import build_model_drafter
-from .hub import resolve_model
-from .loader import load_model, resolve_dtype
-from .model import CausalLM
-from .runner import Runner
-from .sampler import SamplingTensors
-from .scheduler import Scheduler
-from .sequence import SamplingParams, Sequence
+from nanospec.engine.block_manager import BlockManager
+from nanospec.drafters import registry
+from nanospec.drafters.base import Drafter, DraftTarget, Proposal
+from nanospec.drafters.chain import members
+from nanospec.models.hub import resolve_model
+from nanospec.models.loader import chat_prompt_ids, load_model, resolve_dtype
+from nanospec.models.decoder import CausalLM
+from nanospec.engine.runner import Runner
+from nanospec.engine.sampler import SamplingTensors
+from nanospec.engine.scheduler import Scheduler
+from nanospec.engine.sequence import SamplingParams, Sequence
+from nanospec.engine.verify import verify
 
 DEFAULT_CPU_KV_GIB = 2.0    # CPU KV pool when neither num_kv_blocks nor kv_cache_gib is given
 
@@ -41,7 +41,7 @@ DEFAULT_CPU_KV_GIB = 2.0    # CPU KV pool when neither num_kv_blocks nor kv_cach
 def kv_blocks_for_budget(model: CausalLM, block_size: int, gib: float | None = None) -> int:
     """How many KV blocks fit in `gib` GiB of host memory (None: `DEFAULT_CPU_KV_GIB`, at most a quarter
     of the memory available now, so that two ranks and their trainers still fit beside it)."""
-    from .cuda_graphs import kv_block_bytes
+    from nanospec.engine.cuda_graphs import kv_block_bytes
     if gib is None:
         available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         budget = min(DEFAULT_CPU_KV_GIB * 2**30, available / 4)
@@ -50,15 +50,6 @@ def kv_blocks_for_budget(model: CausalLM, block_size: int, gib: float | None = N
     else:
         raise ValueError(f"kv_cache_gib must be a number > 0 or None, got {gib!r}")
     return int(budget // kv_block_bytes(model, block_size))
-
-
-def chat_prompt_ids(tokenizer, conversation: list[dict], **template_kwargs) -> list[int]:
-    """Token ids of a conversation + the generation prompt, for any tokenizer with a chat template.
-    `template_kwargs` go to the template (e.g. `enable_thinking=False` for Qwen3)."""
-    rendered = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True,
-                                             **template_kwargs)
-    # The template already holds bos where the model wants one: never add special tokens twice.
-    return tokenizer.encode(rendered, add_special_tokens=False)
 
 
 @dataclass
@@ -83,7 +74,7 @@ class LLM:
         """`controller` decides how much to draft each step (policies.py): "auto" (the default with a
         drafter) profiles this model on this machine and turns drafting off where it would not pay, with
         the draft length chosen from measured acceptance; a `PoliciesConfig` builds one from that config
-        (the trainer's); a `SpeculationPolicy` is used as given; None drafts `num_draft_tokens` on every
+        (the trainer's); a `DraftController` is used as given; None drafts `num_draft_tokens` on every
         step (fixed-k experiments)."""
         if str(device).startswith("cuda") and not torch.cuda.is_available():
             raise RuntimeError(f"device={device!r} requested but torch.cuda.is_available() is False")
@@ -104,27 +95,27 @@ class LLM:
         if block_size < 1 or block_size & (block_size - 1):
             raise ValueError(f"block_size must be a power of 2, got {block_size}")
         blocks_per_seq = -(-self.max_model_len // block_size)
-        specs = [s for s in (speculative if isinstance(speculative, list) else [speculative]) if isinstance(s, dict)]
+        registry.check(speculative)      # a bad spec fails here, before any memory is allocated
+        specs = [] if speculative is None else speculative if isinstance(speculative, list) else [speculative]
         if num_kv_blocks is None:
             # the pool is sized from memory (GPU: a utilization share; CPU: a byte budget, as vLLM's
             # VLLM_CPU_KVCACHE_SPACE), never from max_num_seqs x max_model_len alone: for a real model
             # with an 8k context that product is tens of GiB. More than that product is never useful.
             if self.model.model.embed_tokens.weight.is_cuda:
-                from .cuda_graphs import kv_blocks_for_memory
+                from nanospec.engine.cuda_graphs import kv_blocks_for_memory
                 num_kv_blocks = kv_blocks_for_memory(self.model, block_size, gpu_memory_utilization)
             else:
                 num_kv_blocks = kv_blocks_for_budget(self.model, block_size, kv_cache_gib)
-            if any(s.get("method") in ("self", "draft_model") for s in specs):
+            if any(registry.canonical(s["method"]) in ("self_nf4", "draft_model") for s in specs):
                 num_kv_blocks //= 2     # a model drafter keeps a second cache over the same block ids
             num_kv_blocks = max(1, min(num_kv_blocks, max_num_seqs * blocks_per_seq))
         self.blocks = BlockManager(num_kv_blocks, block_size, prefix_caching)
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens or
                                    max(self.max_model_len, 4096))
         # the most drafts a sequence gets per step (policies' ladders move below it)
-        ks = [s.get("num_draft_tokens", DEFAULT_DRAFT_TOKENS) for s in specs]
-        self.num_draft_tokens = max((k for k in ks if isinstance(k, int)), default=0)   # bad ones: make_drafter says
+        self.num_draft_tokens = max((s.get("num_draft_tokens", registry.DEFAULT_DRAFT_TOKENS) for s in specs), default=0)
         if use_cuda_graphs:   # GPU: decode/verify steps replay captured graphs (cuda_graphs.py), all of
-            from .cuda_graphs import GraphRunner   # them: Q = 1 + drafts (capture is lazy per Q)
+            from nanospec.engine.cuda_graphs import GraphRunner   # them: Q = 1 + drafts (capture is lazy per Q)
             self.runner = GraphRunner(self.model, num_kv_blocks, block_size, max_num_seqs, self.max_model_len,
                                       max_q=1 + self.num_draft_tokens)
         else:
@@ -134,16 +125,17 @@ class LLM:
         self.eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         self.generator = torch.Generator().manual_seed(seed)
         self._st_key = self._st = None   # SamplingTensors of the last step's batch, reused while it repeats
-        self.drafter: Drafter | None = make_drafter(
-            speculative, model_drafter_factory=lambda spec: build_model_drafter(spec, self)) if speculative else None
+        target = DraftTarget(self.model, self.vocab_size, num_kv_blocks, block_size, self.device, tokenizer,
+                             self.model_path or getattr(tokenizer, "name_or_path", None) or "the target")
+        self.drafter: Drafter | None = registry.build(speculative, target)
         self.controller = self._build_controller(controller)
         # a LOSSY drafter (lenience) warned when it was built; summary()["lossy"] labels every stat
         self.reset_stats()
 
     def _build_controller(self, controller):
-        from .config import PoliciesConfig
-        from .policies import SpeculationPolicy, build_policy
-        if controller is None or isinstance(controller, SpeculationPolicy):
+        from nanospec.config import PoliciesConfig
+        from nanospec.engine.controller import DraftController, build_controller
+        if controller is None or isinstance(controller, DraftController):
             return controller
         if controller == "auto":
             if self.drafter is None:
@@ -155,9 +147,9 @@ class LLM:
             # (a model drafter switched off at batch 1 is not probed again: its KV falls behind)
             controller = PoliciesConfig(length_classes=[], adaptive_draft_length=False, toggle_min_speedup=1.0)
         if not isinstance(controller, PoliciesConfig):
-            raise ValueError(f"controller: expected 'auto', None, a PoliciesConfig or a SpeculationPolicy, "
+            raise ValueError(f"controller: expected 'auto', None, a PoliciesConfig or a DraftController, "
                              f"got {controller!r}")
-        return build_policy(controller, self) if self.drafter is not None else None
+        return build_controller(controller, self) if self.drafter is not None else None
 
     # ---- requests -------------------------------------------------------------------------------
     def _tokenize(self, prompt, i: int) -> list[int]:
@@ -360,7 +352,7 @@ class LLM:
         u = torch.ones(B, K1, device=dev) if u is None else u.view(B, K1).to(dev)
         q = proposal.q[:, :K].to(dev) if proposal.q is not None else None
         lq = proposal.lenient_q[:, :K].to(dev) if proposal.lenient_q is not None else None
-        n, toks, lps = speculative.verify(logits, draft, num_draft, st, u[:, :K], u[:, K], q, lq, index)
+        n, toks, lps = verify(logits, draft, num_draft, st, u[:, :K], u[:, K], q, lq, index)
         host = torch.cat([n.unsqueeze(1).double(), toks.double(), lps.double()], 1).tolist()  # one sync
         finished, generated = [], 0
         for i, (s, row, d, src) in enumerate(zip(seqs, host, drafts, proposal.sources)):

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from .model import CausalLM, ModelArgs
+from nanospec.models.decoder import CausalLM, ModelArgs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -149,3 +149,12 @@ def save_model(model: CausalLM, path: str | Path, tokenizer=None) -> None:
     (path / "config.json").write_text(json.dumps(model.args.to_hf(), indent=2))
     if tokenizer is not None:
         tokenizer.save_pretrained(str(path))
+
+
+def chat_prompt_ids(tokenizer, conversation: list[dict], **template_kwargs) -> list[int]:
+    """Token ids of a conversation + the generation prompt, for any tokenizer with a chat template.
+    `template_kwargs` go to the template (e.g. `enable_thinking=False` for Qwen3)."""
+    rendered = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True,
+                                             **template_kwargs)
+    # The template already holds bos where the model wants one: never add special tokens twice.
+    return tokenizer.encode(rendered, add_special_tokens=False)

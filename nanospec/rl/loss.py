@@ -26,7 +26,7 @@ import math
 import torch
 from torch import Tensor
 
-from . import sampler
+from nanospec.engine import sampler
 
 
 def _check(name: str, t: Tensor, shape: tuple) -> None:

@@ -34,22 +34,21 @@ import torch
 import torch.utils.checkpoint
 from tqdm.auto import tqdm
 
-from . import dist
-from .checkpoint import (engine_state, latest_checkpoint, list_checkpoints, load_checkpoint, load_engine_state,
-                         rng_state, save_checkpoint, set_rng_state)
-from .config import config_to_dict, save_config, validate_world
-from .dist import all_reduce_grads, hash_seed
-from .drafters.chain import find_drafter, members
-from .engine import LLM
-from .hub import resolve_model
-from .loader import load_model
-from .model import drop_packed_weights
-from .loss import group_advantages, logprob_mismatch, policy_loss, tis_weights, token_logprobs
-from .report import headline, load_metrics
-from .rollout import RolloutWorker, Sample
-from .sequence import SamplingParams
-from .sft import prepare_sft_model
-from .tasks import format_prompt, task_from_config
+from nanospec.rl import dist
+from nanospec.rl.checkpoint import (engine_state, latest_checkpoint, list_checkpoints, load_checkpoint, load_engine_state, rng_state, save_checkpoint, set_rng_state)
+from nanospec.config import config_to_dict, save_config, validate_world
+from nanospec.rl.dist import all_reduce_grads, hash_seed
+from nanospec.drafters.chain import find_drafter, members
+from nanospec.engine.llm import LLM
+from nanospec.models.hub import resolve_model
+from nanospec.models.loader import load_model
+from nanospec.models.decoder import drop_packed_weights
+from nanospec.rl.loss import group_advantages, logprob_mismatch, policy_loss, tis_weights, token_logprobs
+from nanospec.rl.report import headline, load_metrics
+from nanospec.rl.rollout import RolloutWorker, Sample
+from nanospec.engine.sequence import SamplingParams
+from nanospec.rl.sft import prepare_sft_model
+from nanospec.tasks import format_prompt, task_from_config
 
 
 MICROBATCH_TOKENS = 1024   # padded tokens per forward/backward on the trainer side (a real 135M model:
@@ -303,12 +302,12 @@ class Trainer:
         return time.perf_counter() - t0
 
     def drafter_health(self, m: dict) -> None:
-        d = find_drafter(self.llm.drafter, "self")
+        d = find_drafter(self.llm.drafter, "self_nf4")
         if d is not None:
             ok = bool(d.checksum_matches(self.llm.model))
-            m["drafter/self/checksum_ok"] = float(ok)
+            m["drafter/self_nf4/checksum_ok"] = float(ok)
             if not ok:
-                self._warn("drafter 'self': NF4 weights do not match the policy after weight sync (stale drafter)")
+                self._warn("drafter 'self_nf4': NF4 weights do not match the policy after weight sync (stale drafter)")
         for msg in self.monitor.update(m):
             self._warn(msg)
 
@@ -469,5 +468,5 @@ class Trainer:
             f"maximises): before {f(b.get('eval/sampled_reward_mean'))} -> after {f(a.get('eval/sampled_reward_mean'))}",
             f"rollout time per step: {f(h.get('rollout time per step (s)'))}s   target forwards per token: "
             f"{f(h.get('target forwards per token'))}   mean accepted length: {f(h.get('mean accepted length'))}",
-            f"report: python -m nanospec.report {self.run_dir}"]))
+            f"report: python -m nanospec.rl.report {self.run_dir}"]))
         return out

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from collections import deque
 
-from .block_manager import BlockManager
-from .sequence import Sequence, Status
+from nanospec.engine.block_manager import BlockManager
+from nanospec.engine.sequence import Sequence, Status
 
 
 class Scheduler:

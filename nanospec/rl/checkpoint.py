@@ -26,8 +26,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .drafters.chain import members
-from .loader import save_model
+from nanospec.drafters.chain import members
+from nanospec.models.loader import save_model
 
 MANIFEST = "COMPLETE.json"
 _STEP = re.compile(r"^step_(\d+)$")

@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import sampler
-from .sampler import SamplingTensors
+from nanospec.engine import sampler
+from nanospec.engine.sampler import SamplingTensors
 
 
 def verify(logits: torch.Tensor, draft: torch.Tensor, num_draft: torch.Tensor, st: SamplingTensors,

@@ -1,6 +1,6 @@
 """Plots and a one-page Markdown report of where rollout time goes.
 
-    python -m nanospec.report RUN_DIR [--compare OTHER_RUN_DIR]
+    python -m nanospec.rl.report RUN_DIR [--compare OTHER_RUN_DIR]
 
 reads RUN_DIR/metrics.jsonl (one JSON object per GRPO optimizer step, times in seconds) and writes
 RUN_DIR/report_*.png + RUN_DIR/report.md. Why these pictures: in a batched GRPO rollout every rank
@@ -317,7 +317,7 @@ def write_report(run_dir: str, compare_dir: str | None = None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m nanospec.report", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m nanospec.rl.report", description=__doc__.splitlines()[0])
     ap.add_argument("run_dir", help="directory holding metrics.jsonl")
     ap.add_argument("--compare", default=None, help="second run dir drawn on the same axes")
     a = ap.parse_args(argv)

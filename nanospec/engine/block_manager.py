@@ -14,7 +14,7 @@ as in vLLM. A partial last block is never shared (it will hold the sample's own 
 """
 from __future__ import annotations
 
-from .sequence import Sequence
+from nanospec.engine.sequence import Sequence
 
 
 class BlockManager:

