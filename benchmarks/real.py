@@ -79,7 +79,7 @@ def truncated_draft(model_dir, layers: int, out: str) -> str:
 
 
 def rollouts(model_dir, model, tok, opts, workdir) -> list[dict]:
-    from nanospec.config import PoliciesConfig
+    from nanospec.config import SpeculationConfig
     from nanospec.tasks import format_prompt, get_task
     problems = get_task("gsm8k").test(opts.prompts)
     prompts = [format_prompt(tok, p.prompt) for p in problems]
@@ -92,7 +92,7 @@ def rollouts(model_dir, model, tok, opts, workdir) -> list[dict]:
     for name, spec, policies in variants:
         if isinstance(spec, dict) and spec["method"] == "draft_model":
             spec = dict(spec, model=draft)
-        controller = PoliciesConfig(bubble_drafting=False, length_aware_assignment=False,
+        controller = SpeculationConfig(bubble_drafting=False, length_aware_assignment=False,
                                     length_classes=[]) if policies else None
         llm = LLM(model, tok, max_num_seqs=len(prompts) * opts.G, speculative=spec, kv_cache_gib=0.25,
                   controller=controller)

@@ -68,7 +68,7 @@ def _rank_main(rank, port, model_path, opts, out_path):
     if hasattr(os, "sched_setaffinity") and (os.cpu_count() or 1) >= 2:
         os.sched_setaffinity(0, {rank})     # one core per rank, as one GPU per rank: a bubble never steals
     from nanospec.rl import dist
-    from nanospec.config import Config, GRPOConfig, PoliciesConfig
+    from nanospec.config import Config, GRPOConfig, SpeculationConfig
     from nanospec.engine.llm import LLM
     from nanospec.models.loader import load_model
     from nanospec.models.decoder import CausalLM
@@ -89,12 +89,12 @@ def _rank_main(rank, port, model_path, opts, out_path):
             torch.manual_seed(0)
             model = init_weights(CausalLM(model_args(Config().model, tok)))
         cfg = Config(grpo=GRPOConfig(prompts_per_step=P, num_generations=opts["G"], max_completion_length=110),
-                     policies=PoliciesConfig(**{**NONE, **pol}))
+                     speculation=SpeculationConfig(**{**NONE, **pol}))
         llm = LLM(model, tokenizer=tok, max_num_seqs=64, block_size=16, max_model_len=256, seed=1 + rank,
                   controller=None, speculative={"method": "ngram", "num_draft_tokens": SPEC_K} if spec == "bad" else spec)
         if spec == "bad":
             llm.drafter = bad_drafter(llm.vocab_size)
-        llm.controller = build_controller(cfg.policies, llm)     # after the drafter swap: it reads its sources
+        llm.controller = build_controller(cfg.speculation, llm)     # after the drafter swap: it reads its sources
         workers[name] = RolloutWorker(llm, tok, cfg, rank, 2)
     start = {k: v.clone() for k, v in next(iter(workers.values())).llm.model.state_dict().items()}
     results = {name: [] for name in workers}

@@ -27,7 +27,7 @@ import torch
 from nanospec import LLM, SamplingParams
 
 PRIOR, SUFFIX = {"method": "prior", "num_draft_tokens": 8}, {"method": "suffix", "num_draft_tokens": 8}
-VARIANTS = [    # (name, speculative config, engine-level policies: None or PoliciesConfig overrides)
+VARIANTS = [    # (name, speculative config, engine-level policies: None or SpeculationConfig overrides)
     ("AR", None, None),
     ("ngram", {"method": "ngram", "num_draft_tokens": 8}, None),
     ("suffix", SUFFIX, None),
@@ -82,7 +82,6 @@ def print_phases(rows: list[dict]) -> None:
 
 
 def workload(model_dir, num_prompts: int):
-    from nanospec.config import PoliciesConfig
     from nanospec.tasks import SyntheticTask, format_prompt
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -91,6 +90,7 @@ def workload(model_dir, num_prompts: int):
 
 
 def run(args) -> list[dict]:
+    from nanospec.config import SpeculationConfig
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="runs/sft")
     ap.add_argument("--prompts", type=int, default=8)
@@ -126,7 +126,7 @@ def run(args) -> list[dict]:
     engines = {}
     for name, spec, policies, T in variants:
         # engine-level policies: per-drafter cost-model toggle, draft-length ladder; None: fixed k
-        controller = None if policies is None else PoliciesConfig(
+        controller = None if policies is None else SpeculationConfig(
             bubble_drafting=False, length_aware_assignment=False, length_classes=[], **policies)
         try:
             llm = LLM(model_dir, tokenizer=tok, max_num_seqs=num_prompts * opts.G, speculative=spec,

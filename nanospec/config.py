@@ -161,7 +161,7 @@ class RolloutConfig:
 
 
 @dataclass
-class PoliciesConfig:
+class SpeculationConfig:
     bubble_drafting: bool = True        # idle fast ranks pre-draft for slow ranks (BubbleSpec)
     length_aware_assignment: bool = True  # balance predicted rollout length across ranks (DAS)
     length_classes: list[int] = field(default_factory=lambda: [18, 72])  # [] : off
@@ -204,7 +204,7 @@ class RunConfig:
 
 
 SECTIONS = {"model": ModelConfig, "task": TaskConfig, "sft": SFTConfig, "grpo": GRPOConfig,
-            "rollout": RolloutConfig, "policies": PoliciesConfig, "run": RunConfig}
+            "rollout": RolloutConfig, "speculation": SpeculationConfig, "run": RunConfig}
 
 
 @dataclass
@@ -214,7 +214,7 @@ class Config:
     sft: SFTConfig = field(default_factory=SFTConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    policies: PoliciesConfig = field(default_factory=PoliciesConfig)
+    speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
     def to_yaml(self) -> str:
@@ -293,6 +293,7 @@ def _merge(d: dict, raw: dict, origin: dict, src: str, keep_origin: bool = False
 
 
 def _set(raw, origin, sec, key, v, src) -> None:
+    sec = {"policies": "speculation"}.get(sec, sec)     # the section's name in earlier configs
     if sec not in SECTIONS:
         raise ValueError(f"{src}: unknown section {sec!r}; expected one of {list(SECTIONS)}")
     if key is None:

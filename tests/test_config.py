@@ -23,13 +23,13 @@ def test_shipped_configs_content():
     assert {p.name for p in CONFIGS} >= {"default.yaml", "ar.yaml", "gsm8k_qwen3.yaml"}
     d, ar = load_config(DEFAULT), load_config(Path(DEFAULT).with_name("ar.yaml"))
     assert [s["method"] for s in d.rollout.speculative] == ["prior", "suffix"]
-    assert d.policies.bubble_drafting and d.policies.toggle and d.policies.adaptive_draft_length
+    assert d.speculation.bubble_drafting and d.speculation.toggle and d.speculation.adaptive_draft_length
     validate_world(d, 2)
-    assert ar.rollout.speculative is None and not (ar.policies.bubble_drafting or ar.policies.toggle
-                                                   or ar.policies.adaptive_draft_length or ar.policies.length_classes)
+    assert ar.rollout.speculative is None and not (ar.speculation.bubble_drafting or ar.speculation.toggle
+                                                   or ar.speculation.adaptive_draft_length or ar.speculation.length_classes)
     # the baseline differs only in speculation, policies and where it writes
     da, aa = config_to_dict(d), config_to_dict(ar)
-    assert {s for s in SECTIONS if da[s] != aa[s]} == {"rollout", "policies", "run"}
+    assert {s for s in SECTIONS if da[s] != aa[s]} == {"rollout", "speculation", "run"}
     assert da["sft"] == aa["sft"] and da["run"]["seed"] == aa["run"]["seed"]
     q = load_config(Path(DEFAULT).with_name("gsm8k_qwen3.yaml"))
     assert (q.task.name, q.model.path, q.rollout.device, q.rollout.dtype, q.rollout.use_cuda_graphs) == \
@@ -38,9 +38,9 @@ def test_shipped_configs_content():
 
 def test_overrides_and_yaml_roundtrip(tmp_path):
     cfg = load_config(DEFAULT, ["--grpo.num_steps=3", "rollout.speculative=[{method: ngram, num_draft_tokens: 4}]",
-                                "--sft.lr=1e-3", "--policies.draft_ladder=[2,4]", "--grpo.epsilon_high=null",
+                                "--sft.lr=1e-3", "--speculation.draft_ladder=[2,4]", "--grpo.epsilon_high=null",
                                 "--grpo.temperature=1"])
-    assert cfg.grpo.num_steps == 3 and cfg.sft.lr == 1e-3 and cfg.policies.draft_ladder == [2, 4]
+    assert cfg.grpo.num_steps == 3 and cfg.sft.lr == 1e-3 and cfg.speculation.draft_ladder == [2, 4]
     assert cfg.rollout.speculative == [{"method": "ngram", "num_draft_tokens": 4}] and cfg.grpo.epsilon_high is None
     assert isinstance(cfg.grpo.temperature, float)
     save_config(cfg, tmp_path / "run" / "config.yaml")
@@ -61,7 +61,7 @@ def _err(overrides, match, path=DEFAULT):
     ("--sft.lr=fast", r"sft\.lr: expected float"),
     ("--run.resume=1", r"run\.resume: expected bool, got int 1"),
     ("--model.path=3", r"model\.path: expected str or null"),
-    ("--policies.draft_ladder=3", r"policies\.draft_ladder: expected a list of int"),
+    ("--speculation.draft_ladder=3", r"speculation\.draft_ladder: expected a list of int"),
     ("--model.arch=gpt2", r"model\.arch: expected one of llama, qwen2, qwen3, got 'gpt2'"),
     ("--model.num_kv_heads=3", r"model\.num_kv_heads: expected a divisor of num_heads \(4\), got 3"),
     ("--model.hidden_size=250", r"model\.hidden_size: expected divisible by num_heads \(4\) unless head_dim is set, got 250"),
@@ -89,10 +89,10 @@ def _err(overrides, match, path=DEFAULT):
     ("--rollout.speculative={method: draft_model, num_draft_tokens: 4}", r"rollout\.speculative\.model: expected a draft model directory"),
     ("--rollout.speculative={method: suffix, num_draft_tokens: 4, lenience: 2}",
      r"rollout\.speculative\.lenience: expected an option of suffix: one of method, num_draft_tokens, depth"),
-    ("--policies.length_class_budgets=[1,2]", r"policies\.length_class_budgets: expected null or len\(length_classes\) \+ 1 = 3"),
-    ("--policies.length_classes=[48,16]", r"policies\.length_classes: expected strictly increasing"),
-    ("--policies.draft_ladder=[5,3]", r"policies\.draft_ladder: expected a non-empty strictly increasing"),
-    ("--policies.ladder_down=0.95", r"policies\.ladder_down: expected in \(0, ladder_up=0.94\)"),
+    ("--speculation.length_class_budgets=[1,2]", r"speculation\.length_class_budgets: expected null or len\(length_classes\) \+ 1 = 3"),
+    ("--speculation.length_classes=[48,16]", r"speculation\.length_classes: expected strictly increasing"),
+    ("--speculation.draft_ladder=[5,3]", r"speculation\.draft_ladder: expected a non-empty strictly increasing"),
+    ("--speculation.ladder_down=0.95", r"speculation\.ladder_down: expected in \(0, ladder_up=0.94\)"),
     ("--run.log_every=0", r"run\.log_every: expected > 0"),
     ("--grpo.max_completion_length=50", r"grpo\.max_completion_length: expected >= 107"),
     ("--grpo.max_completion_length=300", r"grpo\.max_completion_length: expected < model\.max_position_embeddings"),

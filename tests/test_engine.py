@@ -550,6 +550,19 @@ def test_stop_inside_an_accepted_run_counts_only_the_drafts_before_it(models):
     assert llm.summary()["mean_accepted_len"] == i + 1 == len(out.token_ids)   # every token from that one step
 
 
+def test_generate_without_speculation_drafts_and_learns_nothing(models):
+    """generate(..., speculate=False), as evaluation asks: plain AR on the same engine, and its outputs
+    do not enter the history drafters; the next call speculates again."""
+    model, p = models["llama"], ragged_prompts(1, seed=5, lo=3, hi=6)[0]
+    llm = LLM(model, block_size=4, controller=None, speculative={"method": "prior", "num_draft_tokens": 8})
+    params = SamplingParams(temperature=0.0, max_tokens=12)
+    plain = llm.generate([p], params, use_tqdm=False, speculate=False)[0]
+    assert llm.stats["proposed_tokens"] == 0 and not llm.drafter._cache and llm.speculate
+    llm.generate([p], params, use_tqdm=False)                      # learns its response as the prior
+    again = llm.generate([p], params, use_tqdm=False)[0]
+    assert again.token_ids == plain.token_ids and llm.stats["accepted_tokens"] > 0
+
+
 # ---- abort -------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("spec", [None, {"method": "ngram", "num_draft_tokens": 3}])
 def test_abort_frees_blocks_and_leaves_others_unchanged(models, spec):

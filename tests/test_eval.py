@@ -111,7 +111,7 @@ def test_gsm8k_config_trains_one_step_tiny_qwen3(tmp_path):
         "--grpo.num_steps=1", "--grpo.prompts_per_step=2", "--grpo.num_generations=2",
         "--grpo.max_completion_length=12", "--rollout.dtype=float32", "--rollout.device=cpu",
         "--rollout.use_cuda_graphs=false", "--rollout.max_num_seqs=8", f"--run.out_dir={run}",
-        "--policies.toggle=false"])
+        "--speculation.toggle=false"])
     assert cfg.grpo.gradient_accumulation_steps == 4 and cfg.task.name == "gsm8k"
     out = Trainer(cfg, log=lambda *a: None).train()
     rec, = load_metrics(str(run / "metrics.jsonl"))

@@ -470,9 +470,9 @@ def _exact_case(model, exact, case, key, **llm_kw):
         spec = [{"method": "prior", "num_draft_tokens": K}, {"method": "suffix", "num_draft_tokens": K}]
     if case == "prior_suffix_policies":     # draft lengths from past acceptance: toggle trimming + ladder
         def setup(llm):
-            from nanospec.config import PoliciesConfig
+            from nanospec.config import SpeculationConfig
             from nanospec.engine.controller import build_controller
-            llm.controller = build_controller(PoliciesConfig(length_classes=[], draft_ladder=[1, 2, 3]), llm)
+            llm.controller = build_controller(SpeculationConfig(length_classes=[], draft_ladder=[1, 2, 3]), llm)
     llm, outs = sample_with(model, spec, params, drafter, setup, **llm_kw)
     if case == "prior_suffix_policies":     # the per-token trimming ran (it cut ~half the drafts here)
         assert "suffix" in llm.controller.calibration._counts

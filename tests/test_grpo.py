@@ -33,7 +33,7 @@ def tiny_cfg(tmp_path, **over):
         tok.save_pretrained(d)
     raw = {"model": {"path": str(d)}, "task": {"num_train": 32, "num_test": 4, "max_steps": 4},
            "grpo": {"num_steps": 2, "prompts_per_step": 2, "num_generations": 4, "max_completion_length": 24},
-           "rollout": {"speculative": None, "max_num_seqs": 16}, "policies": dict(OFF),
+           "rollout": {"speculative": None, "max_num_seqs": 16}, "speculation": dict(OFF),
            "run": {"out_dir": str(tmp_path / "run")}}
     for key, v in over.items():   # "grpo__loss_type" -> raw["grpo"]["loss_type"]
         sec, name = key.split("__")

@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 from conftest import make_hf_model
 from nanospec.rl import dist
 from nanospec.rl import rollout
-from nanospec.config import Config, GRPOConfig, PoliciesConfig
+from nanospec.config import Config, GRPOConfig, SpeculationConfig
 from nanospec.engine.llm import LLM
 from nanospec.rl.scheduling import assign_to_ranks, imbalance, rank_work
 from nanospec.engine.controller import build_controller
@@ -34,7 +34,7 @@ LONG_TAIL = [90, 80, 5, 5, 4, 4, 3, 3]       # predicted lengths of the step-3 p
 
 def greedy_cfg(**policies):
     return Config(grpo=GRPOConfig(num_generations=G, max_completion_length=MAX_TOKENS, temperature=0.0),
-                  policies=PoliciesConfig(length_classes=[8, 16], length_class_budgets=[0, 2, 4], **policies))
+                  speculation=SpeculationConfig(length_classes=[8, 16], length_class_budgets=[0, 2, 4], **policies))
 
 
 def problems(n=16):
@@ -45,7 +45,7 @@ def problems(n=16):
 def make_llm(model_dir, tok, seed=0, spec=SPEC, cfg=None):
     llm = LLM(model_dir, tokenizer=tok, max_model_len=128, max_num_seqs=32, block_size=16, controller=None, speculative=spec,
               seed=seed)
-    llm.controller = build_controller(cfg.policies, llm) if cfg is not None else None
+    llm.controller = build_controller(cfg.speculation, llm) if cfg is not None else None
     return llm
 
 
@@ -145,10 +145,10 @@ def test_bubble_drafts_are_exact_chi_square(tmp_path):
     path, _ = make_hf_model(tmp_path, "llama", vocab_size=8, hidden_size=32, eos_token_id=tok.eos_token_id, seed=3)
     problem = Problem("x x x", "")
     cfg = Config(grpo=GRPOConfig(num_generations=5000, max_completion_length=4, temperature=1.0),
-                 policies=PoliciesConfig(toggle=False, length_classes=[]))
+                 speculation=SpeculationConfig(toggle=False, length_classes=[]))
     llm = LLM(path, tokenizer=tok, block_size=4, max_model_len=16, max_num_seqs=5000, num_kv_blocks=20_000,
               controller=None, speculative=[{"method": "prior", "num_draft_tokens": 3}], seed=1234)
-    llm.controller = build_controller(cfg.policies, llm)                  # ladder only (clips per source)
+    llm.controller = build_controller(cfg.speculation, llm)                  # ladder only (clips per source)
     w = RolloutWorker(llm, tok, cfg)
     true = {k: v.clone() for k, v in llm.model.state_dict().items()}
     g = torch.Generator().manual_seed(0)
@@ -348,10 +348,10 @@ def test_no_gc_pauses_turns_the_collector_off_inside_and_restores_it():
 def test_build_policy_takes_class_budgets_from_the_calibrated_cost_model_unless_given(model_dir, tok):
     from nanospec.engine.controller import LengthClasses
     llm = make_llm(model_dir, tok)
-    pol = build_controller(PoliciesConfig(length_classes=[8, 16], length_class_budgets=None), llm)
+    pol = build_controller(SpeculationConfig(length_classes=[8, 16], length_class_budgets=None), llm)
     want = LengthClasses.for_engine(pol.toggle.latency, [8, 16], llm.scheduler.max_num_seqs, max_k=llm.num_draft_tokens)
     assert pol.classes.thresholds == (8, 16) and pol.classes.budgets == want.budgets
-    pol = build_controller(PoliciesConfig(length_classes=[8, 16], length_class_budgets=[0, 2, 4], toggle=False), llm)
+    pol = build_controller(SpeculationConfig(length_classes=[8, 16], length_class_budgets=[0, 2, 4], toggle=False), llm)
     assert pol.classes.budgets == (0, 2, 4) and pol.toggle is None
     ar = make_llm(model_dir, tok, spec=None)     # no drafter, no ladder: still builds (budgets unused)
-    assert len(build_controller(PoliciesConfig(adaptive_draft_length=False), ar).classes.budgets) == 3
+    assert len(build_controller(SpeculationConfig(adaptive_draft_length=False), ar).classes.budgets) == 3

@@ -50,13 +50,13 @@ def test_suffix_mlp_sampling_is_exact_under_the_policies(v8, exact):
     """Its per-token confidence (tree frequency or MLP max q, never a function of the sampled token)
     feeds the toggle's per-token trimming and the ladder: draft lengths then depend on the drafts'
     confidence and past acceptance, and the samples must still be exact."""
-    from nanospec.config import PoliciesConfig
+    from nanospec.config import SpeculationConfig
     from nanospec.engine.controller import build_controller
     drafter = SuffixMLPDrafter(peaked_mlp(V), override=0.8, min_mlp_prob=0.3, min_path_prob=0.0)
     counts = counting(drafter)
 
     def setup(llm):
-        llm.controller = build_controller(PoliciesConfig(length_classes=[], draft_ladder=[1, 2, 3]), llm)
+        llm.controller = build_controller(SpeculationConfig(length_classes=[], draft_ladder=[1, 2, 3]), llm)
     llm, outs = sample_with(v8, {"method": "suffix", "num_draft_tokens": K}, TEMP1, drafter=drafter, setup=setup)
     assert "suffix_mlp" in llm.controller.calibration._counts and counts["mlp"] > 500
     check_exact(llm, outs, exact["temp1"], "suffix_mlp/policies")

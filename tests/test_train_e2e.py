@@ -18,7 +18,7 @@ from conftest import ROOT
 TORCHRUN = [str(ROOT / ".venv" / "bin" / "torchrun"), "--standalone", "--nproc_per_node=2"]
 SMALL = ["--sft.steps=24", "--sft.batch_size=16", "--grpo.num_steps=3", "--grpo.prompts_per_step=4",
          "--grpo.num_generations=4", "--task.num_test=8", "--task.num_train=64", "--run.save_every=2",
-         "--policies.toggle=false", "--policies.bubble_drafting=false"]
+         "--speculation.toggle=false", "--speculation.bubble_drafting=false"]
 STABLE = ("reward_mean", "reward_std", "accuracy", "response_len_mean", "response_len_p50", "response_len_max",
           "loss", "grad_norm", "target_forwards_per_token", "mean_accepted_len", "mismatch/mean_abs")
 

@@ -48,7 +48,6 @@ class PriorRolloutDrafter(Drafter):
             raise ValueError(f"PriorRolloutDrafter: lenience must be >= 1 (1 = exact), got {lenience}")
         self.max_per_prompt, self.lenience = max_per_prompt, float(lenience)
         self.lossy = self.lenience > 1.0
-        self.recording = True          # False: observe() ignores finished sequences (rollout.py bubble)
         if self.lossy:
             warnings.warn(f"PriorRolloutDrafter(lenience={lenience}) is LOSSY: drafts are accepted with "
                           f"min(1, {lenience} * p_new / p_old), so rollouts no longer follow the policy exactly",
@@ -75,7 +74,7 @@ class PriorRolloutDrafter(Drafter):
             entries.popleft()
 
     def observe(self, seq: Sequence) -> None:
-        if self.recording:
+        if not seq.bubble:      # bubble responses are shared with every rank as source "bubble" instead
             self.add(seq.prompt_key, seq.completion_token_ids, seq.logprobs, "prior")
 
     def _matches(self, seq: Sequence) -> list[_Entry]:

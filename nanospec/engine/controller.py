@@ -301,7 +301,7 @@ class LengthClasses:
     step, yet they never set the rollout's wall time; long answers run as the batch shrinks, and the
     last stragglers at batch ~1, where a verify costs little more than a decode and long drafts pay.
     `for_engine` derives the budgets from a fitted LatencyModel (the default:
-    `policies.length_class_budgets: null`); the embedded task's classes are [18, 72] (~median, ~p90).
+    `speculation.length_class_budgets: null`); the embedded task's classes are [18, 72] (~median, ~p90).
     With the toggle on, drafters that rate their drafts (prior, suffix) are trimmed per token instead
     (DraftController.budgets): the budgets then cap only the others (ngram, self, draft model).
     """
@@ -428,7 +428,7 @@ class DraftController:
         # (bench.py --suite rollout). They stay the cap for drafters that do not rate their drafts.
         rated = self.toggle is not None and all(n in self.confident for n in sources)
         if self.classes is not None and not rated:
-            ks = [min(k, self.classes.budget(max(getattr(s, "predicted_len", 0) or 0, s.num_completion_tokens)))
+            ks = [min(k, self.classes.budget(max(s.predicted_len, s.num_completion_tokens)))
                   for k, s in zip(ks, seqs)]
         self._steps += 1
         self._pays = {}
@@ -476,9 +476,10 @@ class DraftController:
         return [k if i in keep else 0 for i, k in enumerate(ks)]
 
     def clip(self, proposal, budgets, seqs):
-        """Cut row i to min(budget, its source's rung, the toggle's cost-optimal length), or to 0 when
-        its source is toggled off (probe steps keep the first `probe_rows` rows of that source); with a
-        toggle, rows with confidence (sampled rows only) are then trimmed by `trim_drafts`."""
+        """-> a new Proposal with row i cut to min(budget, its source's rung, the toggle's cost-optimal
+        length), or to 0 when its source is toggled off (probe steps keep the first `probe_rows` rows of
+        that source); with a toggle, rows with confidence (sampled rows only) are then trimmed by
+        `trim_drafts`."""
         probed = defaultdict(int)
         out = []
         for t, b, src in zip(proposal.tokens, budgets, proposal.sources):
@@ -490,29 +491,28 @@ class DraftController:
             else:
                 k = min(k, pays)
             out.append(t[:k])
-        if proposal.confidence is not None:   # greedy rows: acceptance is the argmax, not p; no rate
-            proposal.confidence = [c if s.params.temperature > 0 else None
-                                   for c, s in zip(proposal.confidence, seqs)]
-        if self.toggle is not None and proposal.confidence is not None:
-            out = self._trim(out, proposal, seqs)
-        proposal.tokens = out
+        confidence = proposal.confidence
+        if confidence is not None:      # greedy rows: acceptance is the argmax, not p; no rate
+            confidence = [c if s.params.temperature > 0 else None for c, s in zip(confidence, seqs)]
+        if self.toggle is not None and confidence is not None:
+            out = self._trim(out, proposal.sources, confidence, seqs)
         self._on_steps += any(out)
-        return proposal
+        return replace(proposal, tokens=out, confidence=confidence)
 
-    def _trim(self, tokens, proposal, seqs):
+    def _trim(self, tokens, sources, confidence, seqs):
         """Per-token cost/benefit for the rows whose drafter estimated each token's acceptance; the
         other rows' drafts stay and count at their source's measured rate alpha^j."""
         lat, B = self.toggle.latency, len(seqs)
         ctx = sum(len(s) for s in seqs) / B
         E, fixed, cand, rows = float(B), 0, [], []
-        for i, (t, c) in enumerate(zip(tokens, proposal.confidence)):
+        for i, (t, c) in enumerate(zip(tokens, confidence)):
             if t and c is not None:
                 rows.append(i)
-                src = proposal.sources[i]
+                src = sources[i]
                 cond = [self.calibration(src, j, x) for j, x in enumerate(c[:len(t)])]
                 cand.append(list(itertools.accumulate(cond, operator.mul)))
             elif t:
-                E += expected_accepted(self.alpha(proposal.sources[i]), len(t))
+                E += expected_accepted(self.alpha(sources[i]), len(t))
                 fixed += len(t)
         any_k, per_token = self.draft_cost(B, ctx)
         T = any_k + per_token * max(map(len, tokens)) + lat.predict(B, ctx, 1 + fixed / B)
@@ -587,7 +587,7 @@ class DraftController:
 
 
 def build_controller(cfg, llm) -> DraftController | None:
-    """From the `policies` config section (config.py) to an engine policy, calibrating the toggle's
+    """From the `speculation` config section (config.py) to an engine policy, calibrating the toggle's
     latency model with a short profile of this engine on this machine (EfficientRollout)."""
     if not (cfg.toggle or cfg.adaptive_draft_length or cfg.length_classes):
         return None

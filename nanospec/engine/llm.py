@@ -73,7 +73,7 @@ class LLM:
                  kv_cache_gib: float | None = None):
         """`controller` decides how much to draft each step (policies.py): "auto" (the default with a
         drafter) profiles this model on this machine and turns drafting off where it would not pay, with
-        the draft length chosen from measured acceptance; a `PoliciesConfig` builds one from that config
+        the draft length chosen from measured acceptance; a `SpeculationConfig` builds one from that config
         (the trainer's); a `DraftController` is used as given; None drafts `num_draft_tokens` on every
         step (fixed-k experiments)."""
         if str(device).startswith("cuda") and not torch.cuda.is_available():
@@ -129,11 +129,12 @@ class LLM:
                              self.model_path or getattr(tokenizer, "name_or_path", None) or "the target")
         self.drafter: Drafter | None = registry.build(speculative, target)
         self.controller = self._build_controller(controller)
+        self.speculate = True      # False inside generate(..., speculate=False): no drafting, no learning
         # a LOSSY drafter (lenience) warned when it was built; summary()["lossy"] labels every stat
         self.reset_stats()
 
     def _build_controller(self, controller):
-        from nanospec.config import PoliciesConfig
+        from nanospec.config import SpeculationConfig
         from nanospec.engine.controller import DraftController, build_controller
         if controller is None or isinstance(controller, DraftController):
             return controller
@@ -145,9 +146,9 @@ class LLM:
             # Threshold 1.0, not the trainer's margin: the SpeedupGuard catches predictions that are
             # too optimistic, while a margin would leave a drafter that pays off for the whole request
             # (a model drafter switched off at batch 1 is not probed again: its KV falls behind)
-            controller = PoliciesConfig(length_classes=[], adaptive_draft_length=False, toggle_min_speedup=1.0)
-        if not isinstance(controller, PoliciesConfig):
-            raise ValueError(f"controller: expected 'auto', None, a PoliciesConfig or a DraftController, "
+            controller = SpeculationConfig(length_classes=[], adaptive_draft_length=False, toggle_min_speedup=1.0)
+        if not isinstance(controller, SpeculationConfig):
+            raise ValueError(f"controller: expected 'auto', None, a SpeculationConfig or a DraftController, "
                              f"got {controller!r}")
         return build_controller(controller, self) if self.drafter is not None else None
 
@@ -199,8 +200,9 @@ class LLM:
                 self.drafter.free(seq)
 
     def generate(self, prompts, sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
-                 prompt_keys=None) -> list[RequestOutput]:
-        """Outputs are flat and group-major: prompt 0's n samples, then prompt 1's, ..."""
+                 prompt_keys=None, speculate: bool = True) -> list[RequestOutput]:
+        """Outputs are flat and group-major: prompt 0's n samples, then prompt 1's, ...
+        speculate=False: plain AR for this call (evaluation), and history drafters do not learn from it."""
         params = sampling_params or SamplingParams()
         if isinstance(prompts, (str,)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -212,9 +214,13 @@ class LLM:
         for i, p in enumerate(ids):
             seqs += self.add_request(p, params, i, None if prompt_keys is None else prompt_keys[i])
         bar = tqdm(total=len(seqs), disable=not use_tqdm, desc="generate", leave=False)
-        while self.scheduler.has_work():
-            bar.update(len(self.step()))
-        bar.close()
+        self.speculate, speculate = speculate, self.speculate
+        try:
+            while self.scheduler.has_work():
+                bar.update(len(self.step()))
+        finally:
+            self.speculate = speculate
+            bar.close()
         return [self.output(s) for s in seqs]
 
     def chat(self, conversations, sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
@@ -297,7 +303,7 @@ class LLM:
 
     def _propose(self, seqs: list[Sequence]) -> Proposal:
         empty = Proposal([[] for _ in seqs])
-        if self.drafter is None:
+        if self.drafter is None or not self.speculate:
             return empty
         budgets = (self.controller.budgets(seqs, self.num_draft_tokens) if self.controller is not None
                    else [self.num_draft_tokens] * len(seqs))
@@ -378,7 +384,8 @@ class LLM:
             else:
                 self.scheduler.finish(s, reason)
                 if self.drafter is not None:
-                    self.drafter.observe(s)
+                    if self.speculate:
+                        self.drafter.observe(s)
                     self.drafter.free(s)
                 finished.append(s)
         self.stats["generated_tokens"] += generated

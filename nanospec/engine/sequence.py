@@ -65,6 +65,9 @@ class Sequence:
         self.num_computed = 0                 # target KV valid for positions < num_computed
         self.num_draft_computed = 0           # same for a drafter with its own KV (self/draft model)
         self.generator = generator            # per-request RNG (seeded requests); None = engine RNG
+        # set by the RL rollout (rl/rollout.py), read by the draft controller and the prior drafter:
+        self.predicted_len = 0.0              # predicted response length -> a length-class draft budget
+        self.bubble = False                   # pre-generated in a bubble: shared as drafts, not a rollout
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -184,12 +184,12 @@ class Trainer:
                        max_model_len=max_len, max_num_batched_tokens=r.max_num_batched_tokens, speculative=r.speculative,
                        prefix_caching=r.prefix_caching, seed=cfg.run.seed + self.rank, use_cuda_graphs=r.use_cuda_graphs,
                        gpu_memory_utilization=r.gpu_memory_utilization, kv_cache_gib=r.kv_cache_gib,
-                       controller=cfg.policies)
+                       controller=cfg.speculation)
         if self.llm.controller is not None and self.llm.controller.classes is not None:
             c = self.llm.controller.classes
             self.log(f"[policy] answer-length classes split at {', '.join(f'{t:g}' for t in c.thresholds)} "
                      f"tokens -> draft budgets {list(c.budgets)}"
-                     + (" (cost model)" if cfg.policies.length_class_budgets is None else ""))
+                     + (" (cost model)" if cfg.speculation.length_class_budgets is None else ""))
         self.worker = RolloutWorker(self.llm, self.tokenizer, cfg, self.rank, self.world)
         self.opt = torch.optim.AdamW(self.policy.parameters(), lr=g.learning_rate, weight_decay=g.weight_decay)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: min(1.0, (s + 1) / (g.warmup_steps + 1)))
@@ -371,17 +371,13 @@ class Trainer:
             return {}
         mine, g = self.test_set[self.rank::self.world], self.cfg.grpo
         prompts = [self.worker.prompt_ids(p) for p in mine]     # the worker caches rendered prompts
-        llm, saved = self.llm, (self.llm.drafter, self.llm.controller)
-        llm.drafter = llm.controller = None
-        try:
-            eos = self.tokenizer.eos_token_id
-            params = dict(max_tokens=g.max_completion_length, stop_token_ids=[] if eos is None else [eos])
-            greedy = llm.generate(prompts, SamplingParams(temperature=0.0, **params), use_tqdm=False)
-            sampled = llm.generate(prompts, SamplingParams(temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
-                                                           n=samples, seed=self.cfg.run.seed + self.rank, **params),
-                                   use_tqdm=False)
-        finally:
-            llm.drafter, llm.controller = saved
+        eos = self.tokenizer.eos_token_id
+        params = dict(max_tokens=g.max_completion_length, stop_token_ids=[] if eos is None else [eos])
+        greedy = self.llm.generate(prompts, SamplingParams(temperature=0.0, **params), use_tqdm=False,
+                                   speculate=False)
+        sampled = self.llm.generate(prompts, SamplingParams(temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
+                                                            n=samples, seed=self.cfg.run.seed + self.rank, **params),
+                                    use_tqdm=False, speculate=False)
         res = [(self.task.reward(p, o.text), float(self.task.is_correct(p, o.text))) for p, o in zip(mine, greedy)]
         res = [x for r in dist.all_gather_object(res) for x in r]
         drawn = [self.task.reward(mine[i // samples], o.text) for i, o in enumerate(sampled)]

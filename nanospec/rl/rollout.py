@@ -2,7 +2,7 @@
 
 Per step, every rank (same code, same global prompt list from the seeded data order):
   1. assigns prompts to ranks with no communication (every rank computes the same answer):
-     length-aware LPT with equal counts (DAS, `policies.assign_to_ranks`) or a contiguous split;
+     length-aware LPT with equal counts (DAS, `scheduling.assign_to_ranks`) or a contiguous split;
   2. generates its share, G samples per prompt, with `llm.add_request` + `llm.step` (not
      `generate`: it must poll between engine steps); each sequence carries `predicted_len`, which
      the engine's DraftController maps to a length-class draft budget;
@@ -111,9 +111,9 @@ class RolloutWorker:
                                      stop_token_ids=[] if eos is None else [eos])
         self.predictor = LengthPredictor()
         self.prior = find_drafter(llm.drafter, "prior")     # where bubble drafts land
-        self.bubble = bool(cfg.policies.bubble_drafting and self.prior is not None)
-        if cfg.policies.bubble_drafting and llm.drafter is not None and self.prior is None:
-            warnings.warn("policies.bubble_drafting needs a 'prior' drafter in rollout.speculative; "
+        self.bubble = bool(cfg.speculation.bubble_drafting and self.prior is not None)
+        if cfg.speculation.bubble_drafting and llm.drafter is not None and self.prior is None:
+            warnings.warn("speculation.bubble_drafting needs a 'prior' drafter in rollout.speculative; "
                           "bubble drafting is off", stacklevel=2)
         seeds = dist.all_gather_object(llm.generator.initial_seed())
         if len(set(seeds)) < len(seeds):     # identical engine RNGs would correlate samples across ranks
@@ -132,10 +132,11 @@ class RolloutWorker:
         """Predicted response length (max over the group) of `problem`."""
         return self.predictor.predict(problem.prompt, len(self.prompt_ids(problem)))
 
-    def _add(self, problem: Problem, predicted: float, request_id: int, params: SamplingParams | None = None) -> list:
+    def _add(self, problem: Problem, predicted: float, request_id: int, params: SamplingParams | None = None,
+             bubble: bool = False) -> list:
         seqs = self.llm.add_request(self.prompt_ids(problem), params or self.params, request_id, problem.prompt)
         for s in seqs:
-            s.predicted_len = predicted
+            s.predicted_len, s.bubble = predicted, bubble
         return seqs
 
     # ---- one step ---------------------------------------------------------------------------------
@@ -148,7 +149,7 @@ class RolloutWorker:
         if llm.drafter is not None:
             llm.drafter.next_step()
         pred = [self.predict(p) for p in problems]
-        assignment = assign_prompts(pred, self.world, self.cfg.policies.length_aware_assignment)
+        assignment = assign_prompts(pred, self.world, self.cfg.speculation.length_aware_assignment)
         llm.reset_stats()
         if llm.controller is not None:
             llm.controller.reset_stats()
@@ -191,7 +192,7 @@ class RolloutWorker:
         At most `cap` bubble sequences run at once, admitted a few per engine step: a bubble step must
         stay short, since the last rank waits for the one in flight when it finishes. Finished bubble
         responses must not enter the local prior cache as "prior" (they are shared as "bubble"
-        instead), so the prior drafter stops recording finished sequences meanwhile."""
+        instead): they are marked `Sequence.bubble`, which the prior drafter skips."""
         pred = [self.predict(p) for p in upcoming]
         order = sorted(range(len(upcoming)), key=lambda j: (-pred[j], j))
         share = set(order[self.rank::self.world])
@@ -205,14 +206,10 @@ class RolloutWorker:
                 if not pending or sum(not s.is_finished for s in seqs) >= cap:
                     break
                 j = pending.pop()
-                seqs.extend(self._add(upcoming[j], pred[j], -1 - j, greedy))
-        recording, self.prior.recording = self.prior.recording, False
-        try:
-            generate_until(self.llm, signal, refill)
-            for s in seqs:
-                self.llm.abort(s)          # frees KV; its partial response stays a valid draft
-        finally:
-            self.prior.recording = recording
+                seqs.extend(self._add(upcoming[j], pred[j], -1 - j, greedy, bubble=True))
+        generate_until(self.llm, signal, refill)
+        for s in seqs:
+            self.llm.abort(s)          # frees KV; its partial response stays a valid draft
         return [(s.prompt_key, s.completion_token_ids, s.logprobs) for s in seqs if s.num_completion_tokens]
 
     def _finish(self, problems, pred, assignment, ranks: list[dict], elapsed: float) -> dict:
