@@ -22,6 +22,13 @@ import yaml
 
 from nanospec.drafters import registry
 
+# Allowed values, defined once; the modules that act on them import these.
+ARCHS = ("llama", "qwen2", "qwen3")                  # models/decoder.py
+DTYPES = ("float32", "bfloat16", "float16")          # models/loader.py
+TASK_NAMES = ("synthetic", "gsm8k", "arith")         # tasks/__init__.py
+LOSS_TYPES = ("grpo", "dapo")                        # rl/loss.py
+TIS_MODES = ("truncate", "mask")                     # rl/loss.py
+
 
 @dataclass
 class ModelConfig:
@@ -31,7 +38,7 @@ class ModelConfig:
     num_heads: int = 4
     num_kv_heads: int = 2
     head_dim: int | None = None         # null: hidden_size // num_heads
-    intermediate_size: int = 688
+    intermediate_size: int = 704        # a multiple of 64: nf4 blocks of the self_nf4 drafter align
     max_position_embeddings: int = 256
     rope_theta: float = 10000.0
     tie_word_embeddings: bool = True
@@ -39,7 +46,7 @@ class ModelConfig:
 
     def rules(self):
         hd = self.head_dim or (self.hidden_size // self.num_heads if self.num_heads > 0 else 0)
-        return [("arch", self.arch in ("llama", "qwen2", "qwen3"), "one of llama, qwen2, qwen3"),
+        return [("arch", self.arch in ARCHS, _one_of(ARCHS)),
                 *_pos(self, "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size"),
                 ("num_kv_heads", self.num_kv_heads > 0 and self.num_heads % self.num_kv_heads == 0,
                  f"a divisor of num_heads ({self.num_heads})"),
@@ -67,7 +74,7 @@ class TaskConfig:
     format_credit: float = 0.1          # arith: reward for a wrong number stated after '####'
 
     def rules(self):
-        return [("name", self.name in ("synthetic", "gsm8k", "arith"), "one of synthetic, gsm8k, arith"),
+        return [("name", self.name in TASK_NAMES, _one_of(TASK_NAMES)),
                 *_pos(self, "num_train", "min_steps"),
                 ("num_test", self.num_test >= 0, ">= 0"),
                 ("max_steps", self.min_steps <= self.max_steps <= 26, "in [min_steps, 26]"),
@@ -125,12 +132,12 @@ class GRPOConfig:
                 ("beta", self.beta >= 0, ">= 0"),
                 ("epsilon_high", self.epsilon_high is None or self.epsilon_high >= self.epsilon,
                  f"null or >= epsilon ({self.epsilon})"),
-                ("loss_type", self.loss_type in ("grpo", "dapo"), "one of grpo, dapo"),
+                ("loss_type", self.loss_type in LOSS_TYPES, _one_of(LOSS_TYPES)),
                 ("max_grad_norm", self.max_grad_norm is None or self.max_grad_norm > 0, "null or > 0"),
                 ("weight_decay", self.weight_decay >= 0, ">= 0"),
                 ("warmup_steps", self.warmup_steps >= 0, ">= 0"),
                 ("tis_cap", self.tis_cap is None or self.tis_cap >= 1, "null (off) or a cap >= 1"),
-                ("tis_mode", self.tis_mode in ("truncate", "mask"), "one of truncate, mask")]
+                ("tis_mode", self.tis_mode in TIS_MODES, _one_of(TIS_MODES))]
 
 
 @dataclass
@@ -148,7 +155,7 @@ class RolloutConfig:
     kv_cache_gib: float | None = None   # CPU KV pool in GiB (null: 2, at most 1/4 of available RAM)
 
     def rules(self):
-        return [("dtype", self.dtype in ("float32", "bfloat16", "float16"), "one of float32, bfloat16, float16"),
+        return [("dtype", self.dtype in DTYPES, _one_of(DTYPES)),
                 ("device", self.device == "cpu" or self.device.split(":")[0] == "cuda", "cpu, cuda or cuda:N"),
                 *_pos(self, "max_num_seqs", "num_kv_blocks", "max_num_batched_tokens"),
                 ("block_size", self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,
@@ -192,7 +199,6 @@ class RunConfig:
     out_dir: str = "runs/default"
     seed: int = 0
     save_every: int = 0                 # optimizer steps between checkpoints (0: only at the end)
-    log_every: int = 1
     resume: bool = False
     eval_every: int = 0                 # 0: eval only at the start and the end
     num_threads: int = 1                # torch threads per rank
@@ -200,7 +206,7 @@ class RunConfig:
     def rules(self):
         return [("out_dir", self.out_dir.strip() != "", "a non-empty path"),
                 ("save_every", self.save_every >= 0, ">= 0"), ("eval_every", self.eval_every >= 0, ">= 0"),
-                *_pos(self, "log_every", "num_threads")]
+                *_pos(self, "num_threads")]
 
 
 SECTIONS = {"model": ModelConfig, "task": TaskConfig, "sft": SFTConfig, "grpo": GRPOConfig,
@@ -229,6 +235,10 @@ def check(ok: bool, field: str, expected: str, got) -> None:
 
 def is_int(x) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _one_of(values) -> str:
+    return "one of " + ", ".join(values)
 
 
 def _pos(sec, *keys):

@@ -19,6 +19,13 @@ def test_every_config_loads(path):
     validate_world(cfg, 1)
 
 
+def test_default_yaml_sets_only_what_differs_from_the_dataclass_defaults():
+    """One source of truth: a default lives in config.py; default.yaml states only departures from it."""
+    stated, defaults = yaml.safe_load(Path(DEFAULT).read_text()), config_to_dict(Config())
+    same = [f"{sec}.{k}" for sec, keys in stated.items() for k, v in keys.items() if defaults[sec][k] == v]
+    assert not same, f"default.yaml restates defaults: {same}"
+
+
 def test_shipped_configs_content():
     assert {p.name for p in CONFIGS} >= {"default.yaml", "ar.yaml", "gsm8k_qwen3.yaml"}
     d, ar = load_config(DEFAULT), load_config(Path(DEFAULT).with_name("ar.yaml"))
@@ -93,7 +100,7 @@ def _err(overrides, match, path=DEFAULT):
     ("--speculation.length_classes=[48,16]", r"speculation\.length_classes: expected strictly increasing"),
     ("--speculation.draft_ladder=[5,3]", r"speculation\.draft_ladder: expected a non-empty strictly increasing"),
     ("--speculation.ladder_down=0.95", r"speculation\.ladder_down: expected in \(0, ladder_up=0.94\)"),
-    ("--run.log_every=0", r"run\.log_every: expected > 0"),
+    ("--run.num_threads=0", r"run\.num_threads: expected > 0"),
     ("--grpo.max_completion_length=50", r"grpo\.max_completion_length: expected >= 107"),
     ("--grpo.max_completion_length=300", r"grpo\.max_completion_length: expected < model\.max_position_embeddings"),
     ("--grpo.nope=1", r"unknown key grpo\.nope; expected one of \['num_steps'"),

@@ -78,6 +78,16 @@ def test_config_and_registry_import_without_torch():
     subprocess.run([sys.executable, "-c", code], check=True, cwd=PKG.parent)
 
 
+def test_allowed_values_are_defined_once():
+    """config.py names the allowed values; the modules that act on them agree (a new task, dtype or
+    architecture is added in both places or this fails)."""
+    from nanospec import config
+    from nanospec.models.decoder import SUPPORTED
+    from nanospec.models.loader import DTYPES
+    from nanospec.tasks import TASKS
+    assert SUPPORTED is config.ARCHS and tuple(DTYPES) == config.DTYPES and tuple(TASKS) == config.TASK_NAMES
+
+
 def test_registry_options_are_the_builders_keywords():
     """Each method's options are exactly its builder's keyword arguments (their defaults live there)."""
     from nanospec.drafters import registry

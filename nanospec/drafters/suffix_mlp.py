@@ -3,12 +3,12 @@
 Why: at T=1 a GRPO sample that once slipped (one wrong running sum on the embedded task) no longer
 shares its siblings' continuations. The suffix tree still drafts its copied digits and labels right
 (they come from the prompt), but every later sum it drafts is a sibling's, and such a draft is
-rejected ~90% of the time. A draft model knows the sums, but on CPU each of its forwards costs about
-half the target's (fixed per-step overhead), so as a drafter of its own it does not pay. An MLP
-over the last n tokens (Bengio et al. 2003's neural n-gram model), distilled from the policy on its
-own samples, costs ~0.1 ms per batched call and gets exactly the *local* tokens right (on the
-embedded task: a sample drawn from it is accepted 0.99 at sums and `;`, 0.84 at labels) but not
-the copied digits (0.21: they need the prompt). The two are complementary, so per draft position:
+rejected most of the time. A draft model knows the sums, but on CPU each of its forwards costs a
+large share of the target's (fixed per-step overhead), so as a drafter of its own it does not pay.
+An MLP over the last n tokens (Bengio et al. 2003's neural n-gram model), distilled from the policy
+on its own samples, costs a fraction of a millisecond per batched call and gets exactly the *local*
+tokens right (the running sums and separators of the embedded task) but not the copied digits (they
+need the prompt). The two are complementary, so per draft position:
 
     m = MLP(last n tokens of context + drafts so far)        q_m = its sampling distribution
     t = the suffix tree's most frequent continuation there (or none)
@@ -36,6 +36,7 @@ import math
 import random
 import time
 from collections import deque
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -57,9 +58,9 @@ class NGramMLP(nn.Module):
 
     def __init__(self, vocab_size: int, n: int = 4, dim: int = 64, hidden: int = 256):
         super().__init__()
-        for field, value in (("vocab_size", vocab_size), ("n", n), ("dim", dim), ("hidden", hidden)):
+        for name, value in (("vocab_size", vocab_size), ("n", n), ("dim", dim), ("hidden", hidden)):
             if not isinstance(value, int) or value < 1:
-                raise ValueError(f"NGramMLP: {field} must be an int >= 1, got {value!r}")
+                raise ValueError(f"NGramMLP: {name} must be an int >= 1, got {value!r}")
         self.vocab_size, self.n, self.dim, self.hidden = vocab_size, n, dim, hidden
         self.embed = nn.Embedding(vocab_size, dim)
         self.up = nn.Linear(n * dim, hidden)
@@ -132,6 +133,39 @@ def distill(llm, prompts, samples_per_prompt: int = 8, max_tokens: int = 112, st
     return mlp.eval()
 
 
+@dataclass
+class _Row:
+    """One sequence's drafting state inside SuffixMLPDrafter.propose."""
+    i: int                          # its row in the batch
+    seq: Sequence
+    budget: int                     # drafts it may get this step
+    tree: object                    # its prompt's suffix tree (drafters/suffix.py)
+    node: object                    # where the sequence (and its drafts so far) matches in the tree
+    window: list[int]               # the MLP's input: the last n tokens
+    path_prob: float = 1.0          # estimated probability that every draft so far is accepted
+    draft: list[int] = field(default_factory=list)
+    confidence: list[float] = field(default_factory=list)
+
+    def path(self) -> list[tuple]:
+        """The tree's continuation from here, within the budget left: [(token, frequency, node after
+        it, MLP window after it)]."""
+        node, w, out = self.node, self.window, []
+        while len(self.draft) + len(out) < self.budget:
+            nxt = self.tree.continuation(node)
+            if nxt is None:
+                break
+            t, freq, node = nxt
+            w = w[1:] + [t]
+            out.append((t, freq, node, w))
+        return out
+
+    def take(self, token: int, est: float, node, window: list[int]) -> None:
+        self.path_prob *= est
+        self.draft.append(token)
+        self.confidence.append(est)
+        self.node, self.window = node, window
+
+
 class SuffixMLPDrafter(Drafter):
     name = "suffix_mlp"
     stochastic = True     # positions drafted by the MLP carry its q; tree positions a point mass
@@ -142,9 +176,9 @@ class SuffixMLPDrafter(Drafter):
     def __init__(self, model: str | NGramMLP | None = None, vocab_size: int | None = None, override: float = 0.8,
                  min_mlp_prob: float = 0.3, min_path_prob: float = 0.6, learn_epochs: float = 2.0,
                  learn_lr: float = 1e-3, buffer: int = 65536, seed: int = 0):
-        for field, value in (("override", override), ("min_mlp_prob", min_mlp_prob), ("min_path_prob", min_path_prob)):
+        for name, value in (("override", override), ("min_mlp_prob", min_mlp_prob), ("min_path_prob", min_path_prob)):
             if not 0 <= value <= 1:
-                raise ValueError(f"speculative[suffix_mlp]: {field} must be in [0, 1], got {value}")
+                raise ValueError(f"speculative[suffix_mlp]: {name} must be in [0, 1], got {value}")
         if not learn_epochs >= 0 or not learn_lr > 0 or not (isinstance(buffer, int) and buffer >= 1):
             raise ValueError(f"speculative[suffix_mlp]: expected learn_epochs >= 0, learn_lr > 0 and an int "
                              f"buffer >= 1, got {learn_epochs}, {learn_lr}, {buffer}")
@@ -163,75 +197,52 @@ class SuffixMLPDrafter(Drafter):
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> Proposal:
         B, V = len(seqs), self.mlp.vocab_size
-        drafts: list[list[int]] = [[] for _ in seqs]
-        confidence: list[list[float]] = [[] for _ in seqs]
         temperature = torch.tensor([s.params.temperature for s in seqs])                         # [B]
-        rows = [i for i in range(B) if num_tokens[i] > 0]
-        trees = {i: self.suffix.tree(seqs[i]) for i in rows}
-        nodes = {i: self.suffix.match(seqs[i], trees[i]) for i in rows}
-        windows = {i: self.mlp.window(seqs[i].token_ids) for i in rows}
-        path_prob = dict.fromkeys(rows, 1.0)
-        onehot, sampled, probs = [], [], []     # (row, position, token); (row, position, index into probs)
-        done = 0
+        everyone = []
+        for i, (s, k) in enumerate(zip(seqs, num_tokens)):
+            if k > 0:
+                tree = self.suffix.tree(s)
+                everyone.append(_Row(i, s, k, tree, self.suffix.match(s, tree), self.mlp.window(s.token_ids)))
+        rows = list(everyone)
+        onehot, sampled, probs, done = [], [], [], 0   # (row, position, token); (row, position, index into probs)
         while rows:   # one round per MLP-drafted token: a batched MLP call over every row's tree path
-            # row -> the tree's path from here, <= the budget left: [(token, frequency, match node after
-            # it, MLP window after it)]; the MLP sees the window at every path position and one past it
-            paths, owner, batch = {}, [], []
-            for i in rows:
-                node, w, path = nodes[i], windows[i], []
-                owner.append(i)
-                batch.append(w)
-                while len(drafts[i]) + len(path) < num_tokens[i]:
-                    nxt = trees[i].continuation(node)
-                    if nxt is None:
-                        break
-                    t, freq, node = nxt
-                    w = w[1:] + [t]
-                    path.append((t, freq, node, w))
-                    owner.append(i)
-                    batch.append(w)
-                paths[i] = path
+            paths = [r.path() for r in rows]
+            # the MLP sees the window before every path token and one past the path's end
+            batch = [w for r, path in zip(rows, paths) for w in [r.window] + [x[3] for x in path]]
+            owner = [r.i for r, path in zip(rows, paths) for _ in range(len(path) + 1)]
             logits = self.mlp(torch.tensor(batch))                                             # [n, V]
             p = sampler.scaled(logits, temperature[owner]).softmax(-1)   # q at the target's T (no top-k/p: any q is exact)
             p_max, p_arg = (x.tolist() for x in p.max(-1))
             probs.append(p)
-            keep, want = [], []     # rows going on to the next round; (row, index in batch) to sample
-            r = 0
-            for i in rows:
-                path = paths[i]
+            want, b = [], 0     # (row, index in batch) where the MLP drafts next
+            for r, path in zip(rows, paths):
                 for j, (t, freq, node, w) in enumerate([*path, (None, 0.0, None, None)]):
-                    if t is not None and not (p_max[r + j] >= self.override and p_arg[r + j] != t):
+                    mlp_p, mlp_t = p_max[b + j], p_arg[b + j]
+                    if t is not None and not (mlp_p >= self.override and mlp_t != t):
                         # the MLP has no opinion (e.g. a copied digit) or agrees: keep the tree's token
-                        est = freq if p_max[r + j] < self.override else p_max[r + j]
-                        if drafts[i] and path_prob[i] * est < self.min_path_prob:
+                        est = freq if mlp_p < self.override else mlp_p
+                        if r.draft and r.path_prob * est < self.min_path_prob:
                             break
-                        path_prob[i] *= est
-                        onehot.append((i, len(drafts[i]), t))
-                        drafts[i].append(t)
-                        confidence[i].append(est)
-                        nodes[i], windows[i] = node, w
+                        onehot.append((r.i, len(r.draft), t))
+                        r.take(t, est, node, w)
                         continue
                     # the tree has nothing here, or the MLP is sure of another token: the MLP drafts
-                    est = p_max[r + j]
-                    if (len(drafts[i]) < num_tokens[i] and est >= self.min_mlp_prob
-                            and not (drafts[i] and path_prob[i] * est < self.min_path_prob)):
-                        path_prob[i] *= est
-                        want.append((i, r + j))
+                    if (len(r.draft) < r.budget and mlp_p >= self.min_mlp_prob
+                            and not (r.draft and r.path_prob * mlp_p < self.min_path_prob)):
+                        want.append((r, b + j))
                     break
-                r += len(path) + 1
+                b += len(path) + 1
             if want:
-                idx = [k for _, k in want]
-                draws = torch.multinomial(p[idx], 1, generator=self.generator).squeeze(1).tolist()
-                for (i, k), x in zip(want, draws):
-                    t = p_arg[k] if seqs[i].params.temperature == 0 else x
-                    sampled.append((i, len(drafts[i]), done + k))
-                    drafts[i].append(t)
-                    confidence[i].append(p_max[k])
-                    nodes[i], windows[i] = trees[i].step(nodes[i], t), windows[i][1:] + [t]
-                    if len(drafts[i]) < num_tokens[i]:
-                        keep.append(i)
+                draws = torch.multinomial(p[[k for _, k in want]], 1, generator=self.generator).squeeze(1).tolist()
+                for (r, k), x in zip(want, draws):
+                    t = p_arg[k] if r.seq.params.temperature == 0 else x
+                    sampled.append((r.i, len(r.draft), done + k))
+                    r.take(t, p_max[k], r.tree.step(r.node, t), r.window[1:] + [t])
             done += len(batch)
-            rows = keep
+            rows = [r for r, _ in want if len(r.draft) < r.budget]
+        drafts, confidence = [[] for _ in seqs], [[] for _ in seqs]
+        for r in everyone:
+            drafts[r.i], confidence[r.i] = r.draft, r.confidence
         q = torch.zeros(B, max(map(len, drafts), default=0), V)                                 # [B, k, V]
         if onehot:
             at = torch.tensor(onehot)

@@ -297,7 +297,7 @@ class LengthClasses:
 
     Class i covers lengths in [thresholds[i-1], thresholds[i]) (class 0 from 0, the last unbounded).
     Why budgets grow with length: short answers finish while the batch is full, where a CPU verify of
-    7 positions costs ~3x a decode (compute-bound) and a wrong draft slows every sequence's
+    many positions costs several decodes (compute-bound) and a wrong draft slows every sequence's
     step, yet they never set the rollout's wall time; long answers run as the batch shrinks, and the
     last stragglers at batch ~1, where a verify costs little more than a decode and long drafts pay.
     `for_engine` derives the budgets from a fitted LatencyModel (the default:
@@ -341,7 +341,7 @@ class LengthClasses:
     def for_engine(cls, latency: LatencyModel, thresholds: Sequence[float], max_num_seqs: int,
                    alpha: float = 0.8, max_k: int = 8, min_speedup: float = 1.05) -> "LengthClasses":
         """`from_cost_model` at each class's typical step: short answers finish while the batch is
-        full, and each longer class runs in a batch ~4x smaller (the long tail runs nearly alone),
+        full, and each longer class runs in a batch several times smaller (the long tail runs nearly alone),
         at a context of about the class's length."""
         t = [float(x) for x in thresholds]
         ctx = [t[0] / 2] + [(a + b) / 2 for a, b in zip(t, t[1:])] + [1.25 * t[-1]]
@@ -424,8 +424,8 @@ class DraftController:
         # With a toggle, drafts that rate their own tokens are cut row by row and token by token in
         # clip() (trim_drafts: calibrated rates, this step's real batch and context). The start-up
         # class budgets (one assumed acceptance, an assumed batch per class) would only cap them
-        # blindly: on the embedded task they cut prior+suffix from 5.5 to 3.0 tokens per verify
-        # (bench.py --suite rollout). They stay the cap for drafters that do not rate their drafts.
+        # blindly, cutting drafts that trim_drafts would keep (bench.py --suite rollout shows it).
+        # They stay the cap for drafters that do not rate their drafts.
         rated = self.toggle is not None and all(n in self.confident for n in sources)
         if self.classes is not None and not rated:
             ks = [min(k, self.classes.budget(max(s.predicted_len, s.num_completion_tokens)))

@@ -4,8 +4,7 @@ Why: at small batch a decode step is launch-bound. The decoder issues ~80 small 
 (norms, RoPE, paged-KV writes and gathers, attention, MLP), so a 24-layer model spends milliseconds
 in Python and the CUDA launch path while the GPU idles. Capturing the forward once and replaying it
 is one launch per step (as in vLLM / nano-vllm). Speculation makes this matter more: every verify
-step is such a small launch-bound forward. Measured on an H100 (benchmarks/gpu.py, 0.5B bf16):
-~5-8x tokens/s at batch 1, ~4-5x at batch 32.
+step is such a small launch-bound forward (`bench.py --suite gpu` measures it; docs/results.md).
 
 How:
 * Batch-size buckets 1, 2, 4, ... up to max_num_seqs (max_num_seqs itself is the last bucket). A step

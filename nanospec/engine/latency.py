@@ -34,8 +34,8 @@ class LatencyModel:
              A step with one draft token pays it in full, so a lone likely draft may not pay.
     Fit: nonnegative least squares on *relative* error (each row divided by its time). Nonnegative
     weights on nondecreasing features keep t monotone in B, C and Q, so noise never makes a longer
-    verify look cheaper; relative error keeps the ~1 ms small-batch steps, where the toggle's call
-    matters most (the rollout's tail), as accurate as the 20 ms large-batch ones.
+    verify look cheaper; relative error keeps the fast small-batch steps, where the toggle's call
+    matters most (the rollout's tail), as accurate as the slow large-batch ones.
     Online: `observe` keeps the `fit` samples as anchors (they cover Q > 1 even while the toggle is
     off and only decodes are timed) plus a bounded deque of recent samples; refit every `refit_every`.
     """

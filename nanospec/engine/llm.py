@@ -38,6 +38,34 @@ from nanospec.engine.verify import verify
 DEFAULT_CPU_KV_GIB = 2.0    # CPU KV pool when neither num_kv_blocks nor kv_cache_gib is given
 
 
+def load_target(model, tokenizer, dtype, device) -> tuple[CausalLM, object]:
+    """A model path (an HF dir, a .gguf file converted once, a hub id) or a CausalLM -> the model in
+    `dtype` on `device` (never converting the caller's module in place), and its tokenizer."""
+    if isinstance(model, (str, bytes)) or hasattr(model, "__fspath__"):
+        model = resolve_model(model)
+        if tokenizer is None and any((Path(model) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+            from transformers import AutoTokenizer
+            tokenizer = AutoTokenizer.from_pretrained(str(model))
+        model = load_model(model, dtype=dtype, device=device)
+    if dtype and model.model.embed_tokens.weight.dtype != resolve_dtype(dtype):
+        model = copy.deepcopy(model).to(resolve_dtype(dtype))
+    return model.eval(), tokenizer
+
+
+def kv_pool_blocks(model: CausalLM, block_size: int, most_useful: int, gpu_memory_utilization: float,
+                   kv_cache_gib: float | None, drafter_cache: bool = False) -> int:
+    """KV blocks from memory (GPU: a utilization share; CPU: a byte budget, as vLLM's
+    VLLM_CPU_KVCACHE_SPACE), never from max_num_seqs x max_model_len alone: for a real model with an
+    8k context that product is tens of GiB. More than that product (`most_useful`) is never useful.
+    drafter_cache: a model drafter keeps a second cache over the same block ids, so half as many."""
+    if model.model.embed_tokens.weight.is_cuda:
+        from nanospec.engine.cuda_graphs import kv_blocks_for_memory
+        blocks = kv_blocks_for_memory(model, block_size, gpu_memory_utilization)
+    else:
+        blocks = kv_blocks_for_budget(model, block_size, kv_cache_gib)
+    return max(1, min(blocks // (2 if drafter_cache else 1), most_useful))
+
+
 def kv_blocks_for_budget(model: CausalLM, block_size: int, gib: float | None = None) -> int:
     """How many KV blocks fit in `gib` GiB of host memory (None: `DEFAULT_CPU_KV_GIB`, at most a quarter
     of the memory available now, so that two ranks and their trainers still fit beside it)."""
@@ -71,7 +99,7 @@ class LLM:
                  speculative: dict | list | None = None, prefix_caching: bool = True, seed: int = 0,
                  controller="auto", use_cuda_graphs: bool = False, gpu_memory_utilization: float = 0.5,
                  kv_cache_gib: float | None = None):
-        """`controller` decides how much to draft each step (policies.py): "auto" (the default with a
+        """`controller` decides how much to draft each step (controller.py): "auto" (the default with a
         drafter) profiles this model on this machine and turns drafting off where it would not pay, with
         the draft length chosen from measured acceptance; a `SpeculationConfig` builds one from that config
         (the trainer's); a `DraftController` is used as given; None drafts `num_draft_tokens` on every
@@ -79,36 +107,18 @@ class LLM:
         if str(device).startswith("cuda") and not torch.cuda.is_available():
             raise RuntimeError(f"device={device!r} requested but torch.cuda.is_available() is False")
         self.model_path = None if isinstance(model, CausalLM) else str(model)
-        if isinstance(model, (str, bytes)) or hasattr(model, "__fspath__"):
-            model = resolve_model(model)     # an HF dir, a .gguf file (converted once) or a hub id
-            if tokenizer is None and any((Path(model) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
-                from transformers import AutoTokenizer
-                tokenizer = AutoTokenizer.from_pretrained(str(model))
-            model = load_model(model, dtype=dtype, device=device)
-        if dtype and model.model.embed_tokens.weight.dtype != resolve_dtype(dtype):
-            model = copy.deepcopy(model).to(resolve_dtype(dtype))   # never convert the caller's module
-        self.model = model.eval()
-        self.tokenizer = tokenizer
-        a = model.args
+        self.model, self.tokenizer = load_target(model, tokenizer, dtype, device)
+        a = self.model.args
         self.vocab_size = a.vocab_size
         self.max_model_len = min(max_model_len or a.max_position_embeddings, a.max_position_embeddings)
         if block_size < 1 or block_size & (block_size - 1):
             raise ValueError(f"block_size must be a power of 2, got {block_size}")
-        blocks_per_seq = -(-self.max_model_len // block_size)
         registry.check(speculative)      # a bad spec fails here, before any memory is allocated
         specs = [] if speculative is None else speculative if isinstance(speculative, list) else [speculative]
         if num_kv_blocks is None:
-            # the pool is sized from memory (GPU: a utilization share; CPU: a byte budget, as vLLM's
-            # VLLM_CPU_KVCACHE_SPACE), never from max_num_seqs x max_model_len alone: for a real model
-            # with an 8k context that product is tens of GiB. More than that product is never useful.
-            if self.model.model.embed_tokens.weight.is_cuda:
-                from nanospec.engine.cuda_graphs import kv_blocks_for_memory
-                num_kv_blocks = kv_blocks_for_memory(self.model, block_size, gpu_memory_utilization)
-            else:
-                num_kv_blocks = kv_blocks_for_budget(self.model, block_size, kv_cache_gib)
-            if any(registry.canonical(s["method"]) in ("self_nf4", "draft_model") for s in specs):
-                num_kv_blocks //= 2     # a model drafter keeps a second cache over the same block ids
-            num_kv_blocks = max(1, min(num_kv_blocks, max_num_seqs * blocks_per_seq))
+            second = any(registry.canonical(s["method"]) in ("self_nf4", "draft_model") for s in specs)
+            num_kv_blocks = kv_pool_blocks(self.model, block_size, max_num_seqs * -(-self.max_model_len // block_size),
+                                           gpu_memory_utilization, kv_cache_gib, second)
         self.blocks = BlockManager(num_kv_blocks, block_size, prefix_caching)
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens or
                                    max(self.max_model_len, 4096))
@@ -121,12 +131,12 @@ class LLM:
         else:
             self.runner = Runner(self.model, num_kv_blocks, block_size)
         self.device = self.runner.device
-        eos = a.eos_token_id if tokenizer is None else tokenizer.eos_token_id
+        eos = a.eos_token_id if self.tokenizer is None else self.tokenizer.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         self.generator = torch.Generator().manual_seed(seed)
         self._st_key = self._st = None   # SamplingTensors of the last step's batch, reused while it repeats
-        target = DraftTarget(self.model, self.vocab_size, num_kv_blocks, block_size, self.device, tokenizer,
-                             self.model_path or getattr(tokenizer, "name_or_path", None) or "the target")
+        target = DraftTarget(self.model, self.vocab_size, num_kv_blocks, block_size, self.device, self.tokenizer,
+                             self.model_path or getattr(self.tokenizer, "name_or_path", None) or "the target")
         self.drafter: Drafter | None = registry.build(speculative, target)
         self.controller = self._build_controller(controller)
         self.speculate = True      # False inside generate(..., speculate=False): no drafting, no learning
@@ -331,52 +341,29 @@ class LLM:
         return proposal
 
     def _verify_and_append(self, seqs, logits, proposal: Proposal, index=None) -> list[Sequence]:
-        """logits: [B, K+1, V], or packed [N, V] with index [B, K+1] (speculative.verify)."""
+        """Verify every row's drafts in one call, append the emitted tokens, finish the sequences that
+        stopped. logits: [B, K+1, V], or packed [N, V] with index [B, K+1] (verify.verify)."""
         dev, drafts, V = self.device, proposal.tokens, logits.shape[-1]
         B, K = len(seqs), max(map(len, drafts))
-        K1 = K + 1
         key = (V, *((s.params.temperature, s.params.top_k, s.params.top_p) for s in seqs))
         if self._st_key != key:   # decode steps repeat the same batch: build it once
             self._st_key, self._st = key, SamplingTensors.from_params([s.params for s in seqs], V, dev)
-        st = self._st
         draft = torch.tensor([d + [0] * (K - len(d)) for d in drafts], dtype=torch.long, device=dev).view(B, K)
         num_draft = torch.tensor([len(d) for d in drafts], device=dev)
-        # each row draws exactly len(draft)+1 uniforms, so a seeded request's stream does not depend
-        # on the draft lengths of its batch-mates. Rows sharing a generator draw in one call (the CPU
-        # generator is serial: one call of n == n calls in row order, bit for bit). All-greedy batches
-        # draw them too (the streams advance the same way) but need no tensor of them.
-        groups = {}
-        for i, s in enumerate(seqs):
-            g = s.generator or self.generator
-            groups.setdefault(id(g), (g, []))[1].append(i)
-        u = None if st.all_greedy else torch.ones(B * K1)
-        for g, rows in groups.values():
-            idx = [i * K1 + j for i in rows for j in (*range(len(drafts[i])), K)]
-            r = torch.rand(len(idx), generator=g)
-            if u is not None:
-                u[idx] = 1.0 - r
-        u = torch.ones(B, K1, device=dev) if u is None else u.view(B, K1).to(dev)
+        u = self._uniforms(seqs, drafts, K, self._st.all_greedy)                       # [B, K+1]
         q = proposal.q[:, :K].to(dev) if proposal.q is not None else None
         lq = proposal.lenient_q[:, :K].to(dev) if proposal.lenient_q is not None else None
-        n, toks, lps = verify(logits, draft, num_draft, st, u[:, :K], u[:, K], q, lq, index)
+        n, toks, lps = verify(logits, draft, num_draft, self._st, u[:, :K], u[:, K], q, lq, index)
         host = torch.cat([n.unsqueeze(1).double(), toks.double(), lps.double()], 1).tolist()  # one sync
-        finished, generated = [], 0
-        for i, (s, row, d, src) in enumerate(zip(seqs, host, drafts, proposal.sources)):
-            n_acc, kept = int(row[0]), 0
-            for t, lp in zip(row[1:2 + n_acc], row[2 + K:3 + K + n_acc]):
-                t = int(t)
-                s.token_ids.append(t)
-                s.logprobs.append(lp)
-                s.from_verify.append(bool(d))
-                kept += 1
-                reason = self._finish_reason(s, t)
-                if reason:
-                    break
-            generated += kept
+        finished = []
+        for i, (s, row) in enumerate(zip(seqs, host)):
+            n_acc = int(row[0])
+            kept, reason = self._append(s, row[1:2 + n_acc], row[2 + K:3 + K + n_acc], bool(drafts[i]))
             # a stop on an accepted draft drops the drafts after it: count only those before the stop,
             # so every verify step emits accepted + 1 tokens (mean_accepted_len), here and in the policy
-            used = kept - 1 if kept <= n_acc else len(d)
-            self._count(src, used, min(n_acc, used), proposal.confidence[i] if proposal.confidence else None)
+            used = kept - 1 if kept <= n_acc else len(drafts[i])
+            self._count(proposal.sources[i], used, min(n_acc, used),
+                        proposal.confidence[i] if proposal.confidence else None)
             if not reason:
                 s.num_computed = len(s) - 1
                 s.num_draft_computed = min(s.num_draft_computed, s.num_computed)
@@ -388,9 +375,41 @@ class LLM:
                         self.drafter.observe(s)
                     self.drafter.free(s)
                 finished.append(s)
-        self.stats["generated_tokens"] += generated
         self.stats["seq_forwards"] += B
         return finished
+
+    def _uniforms(self, seqs, drafts, K: int, all_greedy: bool) -> torch.Tensor:
+        """[B, K+1] uniforms in (0, 1]: row i's drafts use [:len(drafts[i])], its final token [K].
+        Each row draws exactly len(drafts[i]) + 1 from its generator, so a seeded request's stream does
+        not depend on the draft lengths of its batch-mates. Rows sharing a generator draw in one call
+        (the CPU generator is serial: one call of n == n calls in row order, bit for bit). All-greedy
+        batches draw them too (the streams advance the same way) but need no tensor of them."""
+        B, K1 = len(seqs), K + 1
+        groups = {}
+        for i, s in enumerate(seqs):
+            g = s.generator or self.generator
+            groups.setdefault(id(g), (g, []))[1].append(i)
+        u = None if all_greedy else torch.ones(B * K1)
+        for g, rows in groups.values():
+            idx = [i * K1 + j for i in rows for j in (*range(len(drafts[i])), K)]
+            r = torch.rand(len(idx), generator=g)
+            if u is not None:
+                u[idx] = 1.0 - r
+        return torch.ones(B, K1, device=self.device) if u is None else u.view(B, K1).to(self.device)
+
+    def _append(self, s: Sequence, tokens, logprobs, from_verify: bool) -> tuple[int, str | None]:
+        """Append the emitted tokens up to a stop -> (tokens kept, finish reason or None)."""
+        kept, reason = 0, None
+        for t, lp in zip(tokens, logprobs):
+            s.token_ids.append(int(t))
+            s.logprobs.append(lp)
+            s.from_verify.append(from_verify)
+            kept += 1
+            reason = self._finish_reason(s, int(t))
+            if reason:
+                break
+        self.stats["generated_tokens"] += kept
+        return kept, reason
 
     def _finish_reason(self, s: Sequence, token: int) -> str | None:
         if not s.params.ignore_eos and (token in self.eos_ids or token in s.params.stop_token_ids):

@@ -81,7 +81,7 @@ def sample(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     # A parallel scan (CUDA's cumsum) is not guaranteed monotone in floating point, so a token with
     # p = 0 (e.g. the rejected draft in a residual) could own a sliver of the CDF. Zeroing those
     # positions and taking the running max gives them an empty interval. CPU's scan is serial, so
-    # there cdf[i] == cdf[i-1] already when p[i] = 0, and the (serial, ~1 ms) cummax is skipped.
+    # there cdf[i] == cdf[i-1] already when p[i] = 0, and the (serial, slow) cummax is skipped.
     cdf = p.cumsum(-1)
     if cdf.device.type not in SERIAL_SCAN_DEVICES:
         cdf = cdf.masked_fill_(p <= 0, 0).cummax(-1).values

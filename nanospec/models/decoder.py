@@ -22,7 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-SUPPORTED = ("llama", "qwen2", "qwen3")
+from nanospec.config import ARCHS
+
+SUPPORTED = ARCHS
 
 
 @dataclass
@@ -104,14 +106,25 @@ class PagedKV:
     token_index: torch.Tensor | None = None   # [N] flat b * Q + i of the real tokens (None: all B * Q)
 
 
+@dataclass
+class StepKV:
+    """One step's paged cache as every layer's attention reads it (built by CausalLM.forward)."""
+    caches: torch.Tensor                 # [L, 2 Hkv, S, hd]: PagedKV.cache, head-major, K heads then V heads
+    slots: torch.Tensor                  # [N] cache slot of each new token
+    key_slots: torch.Tensor              # [B * C] slot of key position j of each sequence
+    C: int                               # key positions per sequence
+    Q: int                               # query positions per sequence (the padded width)
+    token_index: torch.Tensor | None     # [N] flat b * Q + i of the real tokens (None: all B * Q)
+
+
 class Linear(nn.Linear):
     """nn.Linear that, under inference_mode on CPU in float32 (the engine's steps), multiplies by a
     oneDNN-prepacked copy of its weight.
 
     Why: decode steps are small-M matmuls ([B*(k+1), D] x [D, N]); MKL re-packs the whole weight on
-    every call and, on this AMD CPU, does not use its AVX-512 kernels. oneDNN's prepacked blocked layout
-    (what torch.compile / inductor use for CPU linears) avoids both: the engine benchmark's b16 decode
-    forward runs ~1.2x faster (b1: the same). Same math, another summation order (<= ~1e-7 relative).
+    every call and may not pick its best kernels for these shapes. oneDNN's prepacked blocked layout
+    (what torch.compile / inductor use for CPU linears) avoids both (`bench.py --suite engine`). Same
+    math, another summation order (float32 rounding apart).
     Autograd, no_grad (trainer), GPU and other dtypes use F.linear. The copy is rebuilt when the weight
     changes: (data_ptr, _version) moves on any in-place write (LLM.load_weights) or storage swap.
     """
@@ -196,7 +209,7 @@ def attention_mask(positions, C: int, fused_shape: tuple | None, dtype=torch.flo
 
 # Decode / verify steps on CPU (Q new tokens per sequence, Q <= this) run attention as two batched
 # matmuls over the gathered keys instead of SDPA: for a handful of queries SDPA's flash kernel costs
-# ~3x more than the math here (fixed per-call overhead). Prefill and GPU keep SDPA (memory-efficient).
+# more than the math here (fixed per-call overhead). Prefill and GPU keep SDPA (memory-efficient).
 SMALL_Q = 16
 
 
@@ -216,11 +229,10 @@ class Attention(nn.Module):
 
     def forward(self, x, B: int, rotary, mask, paged):
         """x [N, D] -> [N, D], N = B * Q (or the packed real tokens). paged: None (plain causal
-        attention) or CausalLM.forward's tuple (head-major caches [L, 2 Hkv, S, hd], new-token slots [N],
-        key slots [B * C], C, token_index [N] or None, Q)."""
+        attention over x itself) or the step's StepKV."""
         a = self.a
         N, Hq, Hkv, hd = x.shape[0], a.num_heads, a.num_kv_heads, a.head_dim
-        G, Q = Hq // Hkv, (x.shape[0] // B if paged is None else paged[5])
+        G, Q = Hq // Hkv, (x.shape[0] // B if paged is None else paged.Q)
         qkv = self.qkv_proj(x)                                                # [N, (Hq + 2 Hkv) hd]
         if a.qk_norm:
             q, k, v = qkv.split([Hq * hd, Hkv * hd, Hkv * hd], -1)
@@ -228,7 +240,7 @@ class Attention(nn.Module):
             qkv = torch.cat([q.view(N, -1), k.view(N, -1), v], -1)
         # RoPE on q and k in one pass: the row as G + 2 chunks of Hkv heads (q, then k, then v: cos 1, sin 0)
         qkv = rope(qkv.view(N, G + 2, Hkv, hd), *rotary)                      # [N, G+2, Hkv, hd]
-        index = None if paged is None else paged[4]
+        index = None if paged is None else paged.token_index
         if index is None:
             q = qkv[:, :G].reshape(B, Q, Hq, hd)                              # head h = kv head h // G
         else:   # packed tokens: only attention needs the padded [B, Q] layout
@@ -238,10 +250,9 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                  is_causal=True, enable_gqa=True).transpose(1, 2)
             return self.o_proj(out.reshape(N, Hq * hd))
-        caches, slots, key_slots, C = paged[:4]
-        cache = caches[self.layer]                                            # [2 Hkv, S, hd]: k heads, v heads
-        cache.index_copy_(1, slots, qkv[:, G:].reshape(N, 2 * Hkv, hd).transpose(0, 1))
-        kvs = cache.index_select(1, key_slots).view(2, Hkv, B, C, hd)         # one gather, K and V
+        C, cache = paged.C, paged.caches[self.layer]                         # [2 Hkv, S, hd]: k heads, v heads
+        cache.index_copy_(1, paged.slots, qkv[:, G:].reshape(N, 2 * Hkv, hd).transpose(0, 1))
+        kvs = cache.index_select(1, paged.key_slots).view(2, Hkv, B, C, hd)   # one gather, K and V
         if mask.dtype != torch.bool:    # fused small-Q path: batch (kv head, seq), rows (group, query)
             qb = q.view(B, Q, Hkv, G, hd).permute(2, 0, 3, 1, 4).reshape(Hkv * B, G * Q, hd)
             keys, vals = kvs[0].view(Hkv * B, C, hd), kvs[1].view(Hkv * B, C, hd)
@@ -322,7 +333,7 @@ class CausalLM(nn.Module):
                 raise ValueError("PagedKV.cache must be laid out by CausalLM.new_kv_cache (head-major storage)")
             slots = kv.slot_mapping.flatten()
             slots = slots if index is None else slots.index_select(0, index)
-            paged = (caches.flatten(1, 2), slots, kv.key_slots.flatten(), C, index, Q)
+            paged = StepKV(caches.flatten(1, 2), slots, kv.key_slots.flatten(), C, Q, index)
         for layer in self.model.layers:
             x = layer(x, B, rotary, mask, paged)
         x = self.model.norm(x)

@@ -26,6 +26,7 @@ import math
 import torch
 from torch import Tensor
 
+from nanospec.config import LOSS_TYPES, TIS_MODES
 from nanospec.engine import sampler
 
 
@@ -74,8 +75,8 @@ def policy_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, ep
             ((("tis_weight", tis_weight),) if tis_weight is not None else ()):
         _check(name, t, (B, T))
     _check("adv", adv, (B,))
-    if loss_type not in ("grpo", "dapo"):
-        raise ValueError(f"loss_type: expected 'grpo' or 'dapo', got {loss_type!r}")
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type: expected one of {LOSS_TYPES}, got {loss_type!r}")
     eps_lo, eps_hi = epsilon, (epsilon if epsilon_high is None else epsilon_high)
     if not (0 <= eps_lo < 1 and eps_hi >= 0):
         raise ValueError(f"epsilon/epsilon_high: expected 0 <= epsilon < 1, epsilon_high >= 0, got {eps_lo}, {eps_hi}")
@@ -137,8 +138,8 @@ def tis_weights(train_logp: Tensor, rollout_logp: Tensor, mask: Tensor, cap: flo
     _check("mask", mask, train_logp.shape)
     if not cap >= 1:
         raise ValueError(f"cap: expected a number >= 1, got {cap}")
-    if mode not in ("truncate", "mask"):
-        raise ValueError(f"mode: expected 'truncate' or 'mask', got {mode!r}")
+    if mode not in TIS_MODES:
+        raise ValueError(f"mode: expected one of {TIS_MODES}, got {mode!r}")
     with torch.no_grad():
         m = mask.bool()
         mf = m.float()

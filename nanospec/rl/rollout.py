@@ -75,10 +75,10 @@ def generate_until(llm: LLM, signal: dist.DoneSignal, refill=lambda: None) -> in
 
 @contextmanager
 def no_gc_pauses():
-    """Python's cyclic collector stops the world for 0.1-0.3 s in its generation-2 passes here (the
-    suffix tries and caches hold ~1e5 tracked objects; measured with gc.callbacks). In a rollout such a
-    pause on an early rank lands in its bubble step, which then ends late and holds up every rank
-    (measured: +0.17 to +0.31 s on 5 of 40 GRPO steps). So the collector is off while rollouts run;
+    """Python's cyclic collector stops the world for a long time in its generation-2 passes here (the
+    suffix tries and caches hold very many tracked objects; gc.callbacks shows it). In a rollout such a
+    pause on an early rank lands in its bubble step, which then ends late and holds up every rank.
+    So the collector is off while rollouts run;
     reference counting still frees acyclic garbage, and the collector resumes after the rollout."""
     enabled = gc.isenabled()
     gc.disable()
@@ -184,8 +184,8 @@ class RolloutWorker:
         """Pre-generate upcoming prompts until every rank is done -> [(prompt_key, ids, logprobs)].
         One *greedy* response per prompt: a deterministic draft token x is accepted with probability
         p(x) (speculative.py), which the mode maximises, and all G samples of the group verify against
-        the same draft, so one greedy draft serves the group better than G sampled ones (measured,
-        accepted bubble tokens per generated one: 0.15 with G samples at T=1, 0.37-0.55 greedy).
+        the same draft, so one greedy draft serves the group better than G sampled ones (more accepted
+        bubble tokens per generated one).
         The draft never changes what is sampled: verification is exact for any draft.
         Order: this rank's round-robin share of the upcoming prompts by decreasing predicted length
         (long prompts set the next step's tail; ranks start on different prompts), then the rest.
@@ -202,7 +202,7 @@ class RolloutWorker:
         greedy = replace(self.params, temperature=0.0, top_p=1.0, top_k=-1, n=1, seed=None)
 
         def refill():   # admit prompts while fewer than `cap` bubble sequences run, a few per step
-            for _ in range(max(1, cap // 4)):   # (a 16-prompt prefill is one ~40 ms step: too long)
+            for _ in range(max(1, cap // 4)):   # (a prefill of many prompts is one long step)
                 if not pending or sum(not s.is_finished for s in seqs) >= cap:
                     break
                 j = pending.pop()

@@ -5,9 +5,9 @@ A few minutes of supervised training on traces with injected slips (`sft.error_r
 that is confident on most tokens (as a real policy is) but slips now and then, more on long prompts,
 so rewards vary within a group and GRPO has something to improve. Loss = mean cross-entropy over
 completion tokens only (prompt tokens are context, not targets). Batches are buckets of similar
-length (few padded tokens: ~4x the steps/s of random batches on CPU); bf16 autocast is optional and
-by default on only where the CPU has native bf16 (`native_bf16`): ~1.4x on AVX512-BF16/AMX, but ~20x
-*slower* where bf16 is emulated (AVX2-only CPUs, e.g. many AMD EPYC cloud cores).
+length (few padded tokens, many more steps/s than random batches); bf16 autocast is optional and by
+default on only where the CPU has native bf16 (`native_bf16`: AVX512-BF16 or AMX): where bf16 is
+emulated (AVX2-only CPUs) it is many times *slower* than fp32.
 
 The result is an HF directory (`loader.save_model`: loadable by transformers) in `sft.out_dir`,
 reused by later runs when its `sft_fingerprint.json` matches this config; a mismatching directory
@@ -107,7 +107,7 @@ def train_sft(cfg, tokenizer, log=print) -> CausalLM:
     """SFT from scratch on `cfg.sft.steps` length-bucketed batches; returns the fp32 model.
     Collective when a process group exists: rank r takes rows r, r+W, ... of every batch, the loss is
     normalised by the whole batch's token count and gradients are summed, so every rank ends with the
-    same weights as one process would (data parallel beats 2 intra-op threads ~2x on small matmuls)."""
+    same weights as one process would (data parallel beats intra-op threads on small matmuls)."""
     sc, seed, rank, world = cfg.sft, cfg.run.seed, dist.rank(), dist.world_size()
     torch.manual_seed(seed)
     model = init_weights(CausalLM(model_args(cfg.model, tokenizer)))
