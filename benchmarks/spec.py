@@ -7,7 +7,7 @@ same prompts (what the previous GRPO step would have left behind: prior rollouts
 pass by pass so drift of a shared machine hits them all alike. Distinct seeds per pass, so a timed
 pass is new samples, not a replay. The "toggle" and "toggle+ladder" rows add the engine-level
 policies (cost-model toggle, which for suffix and prior drafts cuts each row's draft where its
-estimated acceptance no longer pays for the verify; then the draft-length ladder; policies.py). The "draft model"
+estimated acceptance no longer pays for the verify; then the draft-length ladder; engine/controller.py). The "draft model"
 row needs a draft model directory (`--draft`, default runs/draft, made by `make draft`), the
 "suffix+mlp" rows an n-gram MLP distilled from the SFT model (`--mlp`, default runs/ngram_mlp, `make mlp`). Samples
 differ between variants (same distribution, different draws), so `speedup` compares tokens/s;

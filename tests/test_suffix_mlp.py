@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from nanospec.drafters.suffix_mlp import NGramMLP, SuffixMLPDrafter, distill
+from distill_mlp import distill
+from nanospec.drafters.suffix_mlp import NGramMLP, SuffixMLPDrafter
 from nanospec.engine.llm import LLM
 from nanospec.models.loader import load_model
 from nanospec.engine.sequence import SamplingParams

@@ -1,7 +1,7 @@
 """The one small interface every drafter implements.
 
 A drafter guesses the next k tokens of each running sequence; the target model then verifies all of
-them in one batched forward (speculative.py). Two kinds exist:
+them in one batched forward (engine/verify.py). Two kinds exist:
 
 * deterministic drafters (n-gram, suffix tree, prior rollout, bubble drafts): the guess is a point
   mass, q(x) = 1 for the drafted token. They return tokens only (`q=None`).

@@ -38,7 +38,7 @@ class _Entry:
 
 class PriorRolloutDrafter(Drafter):
     name = "prior"
-    sources = ("prior", "bubble")      # bubble drafts (rollout.py) keep their own name and stats
+    sources = ("prior", "bubble")      # bubble drafts (rl/rollout.py) keep their own name and stats
     confident = True                   # from the cached response's logprobs, where it has them
 
     def __init__(self, max_per_prompt: int = 16, lenience: float = 1.0):

@@ -17,10 +17,10 @@ need the prompt). The two are complementary, so per draft position:
     else: stop
 and stop once the estimated probability that the whole draft is accepted drops below min_path_prob.
 Which distribution a position uses depends only on the context and the drafts before it, so the
-proposal is a valid sequential q and verify's min(1, p/q) rule keeps sampling exact (speculative.py:
+proposal is a valid sequential q and verify's min(1, p/q) rule keeps sampling exact (engine/verify.py:
 point-mass rows and sampled rows mix per position).
 
-`distill` trains the MLP: sample prompts at T=1 with the engine, run the target once over each
+`distill_mlp.py` trains the MLP beforehand: sample prompts at T=1 with the engine, run the target once over each
 sequence for p at every completion position, minimise cross-entropy H(p, q_m) (soft labels).
 Online (`learn_epochs > 0`, the default): every finished rollout the drafter observes becomes
 (window, next token) pairs, and `next_step()` (once per rollout step, i.e. after each policy update)
@@ -34,7 +34,6 @@ from __future__ import annotations
 import json
 import math
 import random
-import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,7 +44,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from nanospec.engine import sampler
-from nanospec.engine.sequence import SamplingParams, Sequence
+from nanospec.engine.sequence import Sequence
 from nanospec.drafters.base import Drafter, Proposal
 from nanospec.drafters.suffix import SuffixDrafter
 
@@ -102,35 +101,6 @@ class NGramMLP(nn.Module):
         model = cls(**json.loads((path / CONFIG).read_text()))
         model.load_state_dict(load_file(str(path / WEIGHTS)))
         return model.eval()
-
-
-def distill(llm, prompts, samples_per_prompt: int = 8, max_tokens: int = 112, steps: int = 3000,
-            batch_size: int = 512, lr: float = 3e-3, n: int = 4, seed: int = 0, log=print) -> NGramMLP:
-    """An NGramMLP that imitates `llm`'s model on its own T=1 samples of `prompts`."""
-    torch.manual_seed(seed)
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, SamplingParams(temperature=1.0, max_tokens=max_tokens, n=samples_per_prompt,
-                                                seed=seed), use_tqdm=False)
-    mlp = NGramMLP(llm.vocab_size, n=n)
-    windows, targets = [], []
-    with torch.inference_mode():
-        for o in outs:
-            ids = o.prompt_token_ids + o.token_ids
-            hidden = llm.model(torch.tensor([ids], device=llm.device))[0, len(o.prompt_token_ids) - 1:-1]
-            targets.append(llm.model.logits(hidden).softmax(-1).cpu())                 # [T, V]: p at each
-            windows += [w for w, _ in mlp.examples(ids, len(o.prompt_token_ids))]
-    X, P = torch.tensor(windows), torch.cat(targets)
-    opt = torch.optim.AdamW(mlp.parameters(), lr=lr)
-    for _ in range(steps):
-        i = torch.randint(0, len(X), (batch_size,))
-        loss = -(P[i] * mlp(X[i]).log_softmax(-1)).sum(-1).mean()      # H(p, q): distillation on soft labels
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-    entropy = -(P * P.clamp_min(1e-12).log()).sum(-1).mean().item()
-    log(f"[suffix_mlp] distilled on {len(X)} positions of {len(outs)} samples in {time.perf_counter() - t0:.0f}s: "
-        f"H(p, q) {loss.item():.3f} (H(p) {entropy:.3f})")
-    return mlp.eval()
 
 
 @dataclass

@@ -350,7 +350,7 @@ class LengthClasses:
 
 
 class DraftController:
-    """The engine's one hook into the policies above (`LLM(..., policy=DraftController(...))`).
+    """The engine's one hook into the controls above (`LLM(..., controller=DraftController(...))`).
 
     Per decode step: `budgets` gives each sequence its draft-length cap = min(ladder rung, length-class
     budget of max(predicted, current) response length; with a toggle, the class budget only where
@@ -361,7 +361,7 @@ class DraftController:
     both or neither). When no drafter pays, nothing is drafted at all (no draft time either).
     Probes: an off drafter still drafts for `probe_rows` rows on a probe step, so its acceptance keeps
     being measured; the gap between probes doubles while it stays off (`probe_every` up to
-    `probe_every_max` steps). With ragged steps packing their real tokens (model.py) a probe costs
+    `probe_every_max` steps). With ragged steps packing their real tokens (models/decoder.py) a probe costs
     ~probe_rows * k extra tokens: an always-wrong drafter costs ~2% per engine step over plain AR. A
     drafter with its own KV is probed only on rows it is current on (`_probe_rows`).
     Drafts with confidence: a drafter that estimates each draft token's acceptance (the suffix tree's

@@ -7,7 +7,7 @@ One engine step = one target forward over the scheduled batch:
     prefill : each sequence feeds its uncomputed prompt tokens; fresh ones also feed drafts of their
               opening and verify them (speculative prefill), then sample
     decode  : each sequence feeds [last token] + its drafts (k_i >= 0, from the drafter), then
-              speculative.verify keeps the accepted prefix and samples one more token
+              verify.verify keeps the accepted prefix and samples one more token
 Rejected drafts are rolled back by shortening: num_computed = len - 1 and surplus blocks are freed.
 """
 from __future__ import annotations
@@ -122,7 +122,7 @@ class LLM:
         self.blocks = BlockManager(num_kv_blocks, block_size, prefix_caching)
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens or
                                    max(self.max_model_len, 4096))
-        # the most drafts a sequence gets per step (policies' ladders move below it)
+        # the most drafts a sequence gets per step (the controller's ladder moves below it)
         self.num_draft_tokens = max((s.get("num_draft_tokens", registry.DEFAULT_DRAFT_TOKENS) for s in specs), default=0)
         if use_cuda_graphs:   # GPU: decode/verify steps replay captured graphs (cuda_graphs.py), all of
             from nanospec.engine.cuda_graphs import GraphRunner   # them: Q = 1 + drafts (capture is lazy per Q)

@@ -44,7 +44,7 @@ class SamplingTensors:
         return self.temperature == 0
 
     def rows(self, index: torch.Tensor) -> "SamplingTensors":
-        """The settings of rows `index` ([N]): one entry per packed logits row (speculative.verify)."""
+        """The settings of rows `index` ([N]): one entry per packed logits row (verify.verify)."""
         return SamplingTensors(self.temperature[index], self.top_k[index], self.top_p[index],
                                self.needs_filter, self.all_greedy)
 

@@ -1,6 +1,6 @@
 """HF directory <-> CausalLM: config.json + (sharded) safetensors in, the same layout out.
 
-Files hold HF names (q_proj, k_proj, ...); the model fuses q|k|v and gate|up (model.py), so loading
+Files hold HF names (q_proj, k_proj, ...); the model fuses q|k|v and gate|up (decoder.py), so loading
 concatenates and saving splits (`from_hf` / `to_hf`). Errors always name the HF key.
 
 Errors name the file and key, because a wrong checkpoint directory is the most common first bug.

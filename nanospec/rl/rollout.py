@@ -17,7 +17,7 @@ Per step, every rank (same code, same global prompt list from the seeded data or
      the next assignment agrees everywhere) and the bubble drafts, which go into every rank's
      prior-rollout drafter as source "bubble" -- whichever rank gets the prompt next step uses them.
 Exactness: assignment and drafts change only how many target forwards a sample takes, never what
-is sampled (speculative.verify is exact for any draft); tests/test_rollout.py checks both.
+is sampled (engine/verify.py is exact for any draft); tests/test_rollout.py checks both.
 """
 from __future__ import annotations
 
@@ -183,7 +183,7 @@ class RolloutWorker:
     def _bubble(self, signal: dist.DoneSignal, upcoming: list[Problem]) -> list[tuple]:
         """Pre-generate upcoming prompts until every rank is done -> [(prompt_key, ids, logprobs)].
         One *greedy* response per prompt: a deterministic draft token x is accepted with probability
-        p(x) (speculative.py), which the mode maximises, and all G samples of the group verify against
+        p(x) (engine/verify.py), which the mode maximises, and all G samples of the group verify against
         the same draft, so one greedy draft serves the group better than G sampled ones (more accepted
         bubble tokens per generated one).
         The draft never changes what is sampled: verification is exact for any draft.
