@@ -93,7 +93,7 @@ def rollouts(model_dir, model, tok, opts, workdir) -> list[dict]:
         if isinstance(spec, dict) and spec["method"] == "draft_model":
             spec = dict(spec, model=draft)
         controller = SpeculationConfig(bubble_drafting=False, length_aware_assignment=False,
-                                    length_classes=[]) if policies else None
+                                       length_classes=[]) if policies else None
         llm = LLM(model, tok, max_num_seqs=len(prompts) * opts.G, speculative=spec, kv_cache_gib=0.25,
                   controller=controller)
         engines[name] = llm

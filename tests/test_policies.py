@@ -241,7 +241,7 @@ def test_probes_of_a_drafter_with_its_own_kv_wait_for_fresh_rows():
     from nanospec.engine.controller import DraftController
     lat = LatencyModel(coef=[1, 0, 0.01, 0, 0, 0])
     pol = DraftController(toggle=SpeculationToggle(lat, 1.05), probe_every=2, probe_every_max=8,
-                            probe_rows=2, sources=["self"], kv_sources=["self"])
+                          probe_rows=2, sources=["self"], kv_sources=["self"])
     for _ in range(8):
         pol.observe_acceptance("self", 4, 0)
     row = lambda n, done: type("S", (), {"num_completion_tokens": 5, "__len__": lambda self: n,
@@ -330,9 +330,9 @@ def test_class_budgets_cap_unrated_drafts_and_leave_rated_ones_to_the_toggle():
     toggle = lambda: SpeculationToggle(LatencyModel(coef=[1, 0, 0.02, 0, 0, 0]), 1.05)
     assert DraftController(classes=classes, sources=["prior"], confident_sources=["prior"]).budgets(seqs, 8) == [1, 1]
     assert DraftController(classes=classes, toggle=toggle(), sources=["prior", "suffix"],
-                             confident_sources=["prior", "suffix"]).budgets(seqs, 8) == [8, 8]
+                           confident_sources=["prior", "suffix"]).budgets(seqs, 8) == [8, 8]
     assert DraftController(classes=classes, toggle=toggle(), sources=["prior", "self"],
-                             confident_sources=["prior"]).budgets(seqs, 8) == [1, 1]
+                           confident_sources=["prior"]).budgets(seqs, 8) == [1, 1]
 
 
 def test_confidence_calibration_learns_measured_acceptance_per_position_and_bin():

@@ -587,8 +587,8 @@ class DraftController:
 
 
 def build_controller(cfg, llm) -> DraftController | None:
-    """From the `speculation` config section (config.py) to an engine policy, calibrating the toggle's
-    latency model with a short profile of this engine on this machine (EfficientRollout)."""
+    """From the `speculation` config section (config.py) to the engine's draft controller, calibrating
+    the toggle's latency model with a short profile of this engine on this machine (EfficientRollout)."""
     if not (cfg.toggle or cfg.adaptive_draft_length or cfg.length_classes):
         return None
     from nanospec.drafters.chain import members
@@ -609,7 +609,7 @@ def build_controller(cfg, llm) -> DraftController | None:
         classes = LengthClasses(cfg.length_classes, cfg.length_class_budgets)
     toggle = SpeculationToggle(latency, cfg.toggle_min_speedup) if cfg.toggle else None
     return DraftController(ladder=ladder, classes=classes, toggle=toggle,
-                             sources=llm.drafter.sources if llm.drafter is not None else (),
-                             confident_sources=[n for d in members(llm.drafter) if d.confident for n in d.sources],
-                             kv_sources=[n for d in model_drafters for n in d.sources],
-                             draft_latency=draft_latency)
+                           sources=llm.drafter.sources if llm.drafter is not None else (),
+                           confident_sources=[n for d in members(llm.drafter) if d.confident for n in d.sources],
+                           kv_sources=[n for d in model_drafters for n in d.sources],
+                           draft_latency=draft_latency)
