@@ -1,4 +1,4 @@
-"""Engine correctness against transformers and against itself (issues 3 and 9).
+"""Engine correctness against transformers and against itself.
 
 Reference points: transformers' forward and `generate` (HF families), the model's own dense path
 (kv=None) for paged attention, k+1 single-token decodes for a (k+1)-token verify window, a large KV
@@ -137,7 +137,7 @@ def test_paged_attention_equals_dense(models, arch):
 @pytest.mark.parametrize("arch", ARCHS)
 @torch.inference_mode()
 def test_verify_window_equals_successive_decodes(models, arch):
-    """Issue 9: logits of one (k+1)-token verify == k+1 one-token decodes, ragged, any batch mix."""
+    """Logits of one (k+1)-token verify == k+1 one-token decodes, ragged, any batch mix."""
     model = models[arch]
     rng = random.Random(5)
     prompts = [[rng.randrange(64) for _ in range(L)] for L in (5, 11, 3, 16, 8, 1)]

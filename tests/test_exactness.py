@@ -1,4 +1,4 @@
-"""Speculative decoding is exact (issue 4).
+"""Speculative decoding is exact.
 
 Greedy: every token-level drafter gives token-identical output to greedy AR, ragged batches 1..16,
 stops and max_tokens inside an accepted run, with preemption.

@@ -1,4 +1,4 @@
-"""Data-parallel rollouts (issue 6): bubble drafting, length-aware assignment, exactness.
+"""Data-parallel rollouts: bubble drafting, length-aware assignment, exactness.
 
 World-2 checks run in two spawned gloo processes (one thread each) that write their results to a
 pickle; the parent asserts. World-1 checks run in-process.

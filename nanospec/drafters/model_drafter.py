@@ -25,7 +25,7 @@ bitsandbytes 0.50.2 on CPU needs three choices, each checked in tests/test_model
    exactly comparable (double quantization would nest an 8-bit absmax with its own state);
  * support_avx512bf16_for_cpu=False: otherwise the first forward repacks the weight into a bf16-scale
    layout (new storage, out_features % 32 required), which refresh could no longer write into.
-On CPU NF4 is a correctness path (dequantize + matmul per layer), not a speed path (README, spec bench).
+On CPU NF4 is a correctness path (dequantize + matmul per layer), not a speed path (docs/results.md, spec bench).
 """
 from __future__ import annotations
 
