@@ -256,6 +256,26 @@ def test_probes_of_a_drafter_with_its_own_kv_wait_for_fresh_rows():
     assert [plain.budgets(stale, 4) for _ in range(2)][-1] == [4, 4, 0, 0, 0, 0]   # no KV: any rows
 
 
+def test_a_drafter_too_slow_to_pay_even_when_always_right_is_never_probed_nor_prefilled():
+    """Probes measure acceptance; a model drafter whose own forwards cost more than verifying could save
+    (drafting 1 token costs 3 decodes here) stays off without probes, while a cheap one is probed."""
+    from nanospec.engine.controller import DraftController
+    lat = LatencyModel(coef=[1, 0, 0.01, 0, 0, 0])
+    slow = DraftController(toggle=SpeculationToggle(lat, 1.05), probe_every=2, probe_rows=2, sources=["self"],
+                           draft_latency=LatencyModel(coef=[3, 0, 0, 0, 0, 0]))
+    cheap = DraftController(toggle=SpeculationToggle(lat, 1.05), probe_every=2, probe_rows=2, sources=["self"],
+                            draft_latency=LatencyModel(coef=[0.01, 0, 0, 0, 0, 0]))
+    row = lambda: type("S", (), {"num_completion_tokens": 5, "__len__": lambda self: 21, "num_draft_computed": 20})()
+    for pol in (slow, cheap):
+        for _ in range(8):
+            pol.observe_acceptance("self", 4, 0)                 # always wrong so far: toggled off
+    assert all(slow.budgets([row() for _ in range(4)], 4) == [0] * 4 for _ in range(16))
+    assert any(any(cheap.budgets([row() for _ in range(4)], 4)) for _ in range(16))
+    # nor does it keep its own KV for new prompts: that prefill could never be won back
+    slow.kv_sources = cheap.kv_sources = {"self"}
+    assert not slow.keeps_draft_kv(20, 4) and cheap.keeps_draft_kv(20, 4)
+
+
 def test_ladder_rungs_never_exceed_num_draft_tokens():
     """num_draft_tokens is the engine's bound on drafts per step: a ladder that has climbed past it
     (or starts above it) drafts at most that many, as vLLM's num_speculative_tokens."""

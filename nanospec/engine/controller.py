@@ -445,9 +445,9 @@ class DraftController:
                 gap = self._gap.setdefault(n, [0, self.probe_every])
                 if kn:
                     gap[:] = [0, self.probe_every]
-                else:   # off: probe (None: the rung's length) once the gap has passed, then double the gap
-                    gap[0] += 1
-                    if gap[0] >= gap[1]:
+                else:   # off: probe (None: the rung's length) once the gap has passed, then double the gap;
+                    gap[0] += 1   # never where even an always-right draft would not pay for its drafting
+                    if gap[0] >= gap[1] and self._could_pay(len(seqs), ctx, min(self._rung(n, max_k), max(ks))):
                         gap[:] = [0, min(2 * gap[1], self.probe_every_max)]
                         kn = None
                 self._pays[n] = kn
@@ -457,6 +457,19 @@ class DraftController:
             if cap and not any(self._pays.values()):
                 ks = self._probe_rows(seqs, ks, cap)
         return ks
+
+    def _could_pay(self, batch_size: int, ctx_len: float, max_k: int) -> bool:
+        """Would drafting pay at this batch if every draft were accepted? If not, a probe (which only
+        measures acceptance) cannot change the verdict: the drafter is too slow here (the nf4
+        self-drafter on a CPU without a fast 4-bit kernel), whatever it drafts."""
+        _, s = best_k(self.toggle.latency, batch_size, ctx_len, 1.0, max_k, *self.draft_cost(batch_size, ctx_len))
+        return s >= self.toggle.min_speedup
+
+    def keeps_draft_kv(self, ctx_len: float, max_k: int) -> bool:
+        """Should a drafter with its own KV prefill new prompts? Not when it could not pay even for a
+        lone sequence whose every draft is accepted: it will not draft here, and its prefill would be
+        pure cost (an nf4 forward on CPU dequantizes every layer)."""
+        return self.toggle is None or not self.kv_sources or self._could_pay(1, ctx_len, max_k)
 
     def _probe_rows(self, seqs, ks, cap: int) -> list[int]:
         """A probe step and nothing else: only `probe_rows` rows draft. A drafter with its own KV (self,

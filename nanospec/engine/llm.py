@@ -277,8 +277,9 @@ class LLM:
         hidden = self.runner.forward(seqs, tokens, starts)
         self.stats["target_forwards"] += 1
         self.stats["prefill_tokens"] += sum(b - a for a, b in zip(starts, ends))
-        if self.drafter is not None and self.drafter.needs_kv:
-            self.drafter.prefill(seqs, tokens, starts)
+        if self.drafter is not None and self.drafter.needs_kv:   # unless it could never pay here (controller)
+            if self.controller is None or self.controller.keeps_draft_kv(len(seqs[0]), self.num_draft_tokens):
+                self.drafter.prefill(seqs, tokens, starts)
         for s, b in zip(seqs, ends):
             s.num_computed = b
         if not fresh:
