@@ -12,7 +12,7 @@
    between two of them): there the drafters have seen h (and more) earlier rollouts of these prompts
    (the prior-rollout store, the suffix trees), as they would after that many GRPO epochs. `+policies` rows
    run the trainer's controller (cost-model toggle, per-token trimming, draft-length ladder; the
-   `policies` config defaults); next to each row's measured speedup stands the toggle's verdict (the
+   `speculation` config defaults); next to each row's measured speedup stands the toggle's verdict (the
    fraction of its decisions that speculated, and its mean predicted speedup). The draft model is the
    policy's first `--draft-layers` layers (same tokenizer; no smaller SmolLM2 is reachable here).
 3. Peak RSS of the whole run.

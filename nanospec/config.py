@@ -304,6 +304,8 @@ def _merge(d: dict, raw: dict, origin: dict, src: str, keep_origin: bool = False
 
 def _set(raw, origin, sec, key, v, src) -> None:
     sec = {"policies": "speculation"}.get(sec, sec)     # the section's name in earlier configs
+    if (sec, key) == ("run", "log_every"):                # a key earlier run dirs hold; it did nothing
+        return
     if sec not in SECTIONS:
         raise ValueError(f"{src}: unknown section {sec!r}; expected one of {list(SECTIONS)}")
     if key is None:

@@ -444,3 +444,13 @@ def test_llm_is_adaptive_by_default_and_fixed_k_on_request(tmp_path, monkeypatch
     LLM(d, max_model_len=64, speculative={"method": "ngram", "num_draft_tokens": 4})
     with pytest.raises(ValueError, match="controller: expected 'auto', None"):
         LLM(d, max_model_len=64, controller="on", speculative={"method": "ngram", "num_draft_tokens": 4})
+    # a checkpoint keeps the controller's state; one from an earlier layout is dropped with a warning
+    from nanospec.rl.checkpoint import engine_state, load_engine_state
+    auto.drafter = fixed.drafter = fixed.controller = None
+    state, rate = engine_state(auto), auto.controller.alpha("wrong")
+    auto.controller.reset_stats()
+    auto.controller._tally.clear()
+    load_engine_state(auto, state)
+    assert auto.controller.alpha("wrong") == rate < 0.5
+    with pytest.warns(UserWarning, match="earlier nanospec"):
+        load_engine_state(fixed, {k: v for k, v in state.items() if k != "version"})

@@ -345,7 +345,7 @@ def test_no_gc_pauses_turns_the_collector_off_inside_and_restores_it():
         gc.enable()
 
 
-def test_build_policy_takes_class_budgets_from_the_calibrated_cost_model_unless_given(model_dir, tok):
+def test_build_controller_takes_class_budgets_from_the_calibrated_cost_model_unless_given(model_dir, tok):
     from nanospec.engine.controller import LengthClasses
     llm = make_llm(model_dir, tok)
     pol = build_controller(SpeculationConfig(length_classes=[8, 16], length_class_budgets=None), llm)

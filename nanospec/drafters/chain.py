@@ -1,7 +1,7 @@
 """Several drafting methods tried in order per sequence (`speculative: [prior, suffix, ...]`).
 
 Why: history drafters are free but often have nothing to say (a new prompt, a diverged sample),
-while a model drafter always guesses but costs a forward. `ChainDrafter([prior, suffix, self])`
+while a model drafter always guesses but costs a forward. `ChainDrafter([prior, suffix, self_nf4])`
 asks each member only about the sequences that earlier members left without a draft.
 
 Mixing point-mass and sampled drafts in one verify: if any member returns q [b, k, V], the chain's

@@ -80,7 +80,7 @@ class BlockManager:
             block = self._take()
             if self.prefix_caching and i < len(hashes):
                 # registered now, written by this same prefill forward: a sibling scheduled in the
-                # same batch reads it after every layer has stored its K/V (see model.Attention)
+                # same batch reads it after every layer has stored its K/V (see decoder.Attention)
                 self.block_hash[block] = hashes[i]
                 self.hash_to_block[hashes[i]] = block
             seq.block_table.append(block)

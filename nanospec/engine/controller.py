@@ -303,7 +303,7 @@ class LengthClasses:
     `for_engine` derives the budgets from a fitted LatencyModel (the default:
     `speculation.length_class_budgets: null`); the embedded task's classes are [18, 72] (~median, ~p90).
     With the toggle on, drafters that rate their drafts (prior, suffix) are trimmed per token instead
-    (DraftController.budgets): the budgets then cap only the others (ngram, self, draft model).
+    (DraftController.budgets): the budgets then cap only the others (ngram, self_nf4, draft model).
     """
 
     def __init__(self, thresholds: Sequence[float], budgets: Sequence[int]):
@@ -372,7 +372,7 @@ class DraftController:
     and a source trimmed away at full batch still drafts in the small tail batches, where drafts are
     cheap, so its calibration keeps learning.
     Draft cost: a history drafter's propose() is timed per row (an EMA); a drafter with its own model
-    (self, draft model) runs one forward of it per draft token, priced by `draft_latency`, that
+    (self_nf4, draft model) runs one forward of it per draft token, priced by `draft_latency`, that
     model's own LatencyModel (profiled at start-up like the target's, then fed every propose() time).
     The engine reports back draft time, forward time and acceptance, which keep the latency models,
     the toggle and the ladder current.
@@ -399,7 +399,8 @@ class DraftController:
         self._gap: dict[str, list[int]] = {}        # per source: [steps since last probe, probe gap]
         self._pays: dict[str, int | None] = {}      # this step, per source: draft length (0 = off), None = probe
         self._steps = self._on_steps = 0
-        self.guard = SpeedupGuard() if toggle is not None else None
+        # the guard's margin: measured speedups are noisy, so never below 1.05 (auto runs the toggle at 1.0)
+        self.guard = SpeedupGuard(min_speedup=max(1.05, toggle.min_speedup)) if toggle is not None else None
         self._step_draft_seconds = 0.0               # this step's propose() time, for the guard
 
     def alpha(self, source: str) -> float:
@@ -431,7 +432,7 @@ class DraftController:
             ks = [min(k, self.classes.budget(max(s.predicted_len, s.num_completion_tokens)))
                   for k, s in zip(ks, seqs)]
         self._steps += 1
-        self._pays = {}
+        self._pays, self._step_draft_seconds = {}, 0.0     # this step's drafting starts here
         if self.guard is not None and not self.guard.allows():
             return [0] * len(seqs)
         if self.toggle is not None and any(ks):
@@ -472,7 +473,7 @@ class DraftController:
         return self.toggle is None or not self.kv_sources or self._could_pay(1, ctx_len, max_k)
 
     def _probe_rows(self, seqs, ks, cap: int) -> list[int]:
-        """A probe step and nothing else: only `probe_rows` rows draft. A drafter with its own KV (self,
+        """A probe step and nothing else: only `probe_rows` rows draft. A drafter with its own KV (self_nf4,
         draft model) first catches up on every token since it last drafted for a row: a forward over
         all of them, as costly as the target's, which no probe can win back. So while such a drafter
         is probed, only rows it is (nearly) current on may draft -- fresh rows, whose prompt it saw at

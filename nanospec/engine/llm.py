@@ -139,6 +139,12 @@ class LLM:
                              self.model_path or getattr(self.tokenizer, "name_or_path", None) or "the target")
         self.drafter: Drafter | None = registry.build(speculative, target)
         self.controller = self._build_controller(controller)
+        # a drafter with its own KV prefills every prompt, unless it could never pay on this machine;
+        # decided once, so a cached prompt block holds drafter KV for all sequences sharing it or none
+        # (a drafter without it catches up from position 0 if it ever drafts)
+        self.prefills_draft_kv = self.drafter is not None and self.drafter.needs_kv and (
+            self.controller is None or self.controller.keeps_draft_kv(min(64, self.max_model_len // 2),
+                                                                      self.num_draft_tokens))
         self.speculate = True      # False inside generate(..., speculate=False): no drafting, no learning
         # a LOSSY drafter (lenience) warned when it was built; summary()["lossy"] labels every stat
         self.reset_stats()
@@ -153,9 +159,9 @@ class LLM:
                 return None
             # the trainer's mechanism with an engine's defaults: cost-model toggle, draft length from the
             # cost model and measured acceptance (no ladder), no length classes (they need a task's lengths).
-            # Threshold 1.0, not the trainer's margin: the SpeedupGuard catches predictions that are
-            # too optimistic, while a margin would leave a drafter that pays off for the whole request
-            # (a model drafter switched off at batch 1 is not probed again: its KV falls behind)
+            # Toggle threshold 1.0, not the trainer's margin: the SpeedupGuard (its own 1.05 margin on
+            # measured speedups) catches predictions that are too optimistic, while a margin on the
+            # prediction would leave a drafter that pays off for the whole request
             controller = SpeculationConfig(length_classes=[], adaptive_draft_length=False, toggle_min_speedup=1.0)
         if not isinstance(controller, SpeculationConfig):
             raise ValueError(f"controller: expected 'auto', None, a SpeculationConfig or a DraftController, "
@@ -266,7 +272,7 @@ class LLM:
         fresh = [i for i, s in enumerate(seqs) if len(s) == s.num_prompt_tokens]   # they sample now
         # Speculative prefill: a fresh prompt's first drafts (the prior rollout's opening, the suffix
         # tree's prompt -> answer paths) ride in its prefill and are verified by the same forward, so
-        # the first decode step is not spent on one token. Drafters with their own KV (self, draft
+        # the first decode step is not spent on one token. Drafters with their own KV (self_nf4, draft
         # model) have not seen the prompt yet: they draft from the first decode step on.
         drafts = {}
         proposal = Proposal([[] for _ in fresh])
@@ -277,9 +283,8 @@ class LLM:
         hidden = self.runner.forward(seqs, tokens, starts)
         self.stats["target_forwards"] += 1
         self.stats["prefill_tokens"] += sum(b - a for a, b in zip(starts, ends))
-        if self.drafter is not None and self.drafter.needs_kv:   # unless it could never pay here (controller)
-            if self.controller is None or self.controller.keeps_draft_kv(len(seqs[0]), self.num_draft_tokens):
-                self.drafter.prefill(seqs, tokens, starts)
+        if self.prefills_draft_kv:
+            self.drafter.prefill(seqs, tokens, starts)
         for s, b in zip(seqs, ends):
             s.num_computed = b
         if not fresh:

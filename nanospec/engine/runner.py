@@ -2,7 +2,7 @@
 
 Every engine step is the same call: sequence b feeds `tokens[b]` (a prefill chunk, its last token, or
 its last token + k drafts) at positions starts[b], starts[b]+1, ... The batch is padded to [B, Q];
-padding writes to the null block and is never read back (see model.PagedKV).
+padding writes to the null block and is never read back (see decoder.PagedKV).
 A drafter with its own KV (self-drafter, draft model) owns a second Runner over the same block
 tables: same slots, its own cache tensor.
 """
@@ -58,7 +58,7 @@ class Runner:
         input_ids, positions, slot_mapping, table = host.split([Q, Q, Q, nb], 1)
         key_slots = (table[:, :, None] * bs + torch.arange(bs, device=dev)).flatten(1)[:, :C]  # key j -> slot
         index = None
-        if sum(map(len, tokens)) < len(tokens) * Q:   # ragged: pack the real tokens (model.CausalLM.forward)
+        if sum(map(len, tokens)) < len(tokens) * Q:   # ragged: pack the real tokens (decoder.CausalLM.forward)
             index = torch.tensor([b * Q + i for b, t in enumerate(tokens) for i in range(len(t))], device=dev)
         return input_ids, positions, PagedKV(self.cache, slot_mapping, key_slots, index)
 

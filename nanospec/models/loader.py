@@ -59,7 +59,7 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     return state
 
 
-# our fused module -> the HF modules it concatenates, in row order (model.Attention / model.MLP)
+# our fused module -> the HF modules it concatenates, in row order (decoder.Attention / decoder.MLP)
 FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
          "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
 

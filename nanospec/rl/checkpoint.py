@@ -21,6 +21,7 @@ import pickle
 import random
 import re
 import shutil
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -175,13 +176,17 @@ def flat_loads(data: bytes):
     return Flat(io.BytesIO(root)).load()
 
 
+ENGINE_STATE_VERSION = 2      # 2: engine/controller.py, a 6-feature LatencyModel
+
+
 def engine_state(llm) -> dict:
     """What shapes the next rollouts besides the weights: history drafters' caches (prior responses,
     suffix tries), the speculation policy (ladder rungs, latency model) and model drafters' RNG.
     Without it a resumed run drafts differently, which consumes the sampler's uniforms differently."""
     drafters = [{"generator": d.generator.get_state()} if d.needs_kv else flat_dumps(dict(vars(d)))
                 for d in members(llm.drafter)]
-    return {"drafters": drafters, "policy": flat_dumps(dict(vars(llm.controller))) if llm.controller is not None else None}
+    return {"drafters": drafters, "version": ENGINE_STATE_VERSION,
+            "controller": flat_dumps(dict(vars(llm.controller))) if llm.controller is not None else None}
 
 
 def load_engine_state(llm, state: dict) -> None:
@@ -194,5 +199,8 @@ def load_engine_state(llm, state: dict) -> None:
             d.generator.set_state(st["generator"])
         else:
             vars(d).update(flat_loads(st))
-    if state["policy"] is not None and llm.controller is not None:
-        vars(llm.controller).update(flat_loads(state["policy"]))
+    if state.get("version") != ENGINE_STATE_VERSION:    # the controller's classes moved or changed shape
+        warnings.warn("checkpoint: the draft controller's state comes from an earlier nanospec; it starts "
+                      "afresh (only learned timings and acceptance rates are lost, never what is sampled)")
+    elif state["controller"] is not None and llm.controller is not None:
+        vars(llm.controller).update(flat_loads(state["controller"]))
