@@ -164,7 +164,7 @@ class RolloutConfig:
                  "false unless device is cuda (CUDA graphs need a GPU)"),
                 ("gpu_memory_utilization", 0 < self.gpu_memory_utilization <= 1, "in (0, 1]"),
                 ("kv_cache_gib", self.kv_cache_gib is None or self.kv_cache_gib > 0, "null or a size in GiB > 0"),
-                *registry.rules(self.speculative, default_k=None)]
+                *registry.rules(self.speculative, default_k=None, warn=True)]
 
 
 @dataclass

@@ -46,10 +46,11 @@ def canonical(method):
     return ALIASES.get(method, method)
 
 
-def rules(spec, key: str = "speculative", default_k: int | None = DEFAULT_DRAFT_TOKENS) -> list[tuple]:
+def rules(spec, key: str = "speculative", default_k: int | None = DEFAULT_DRAFT_TOKENS,
+          warn: bool = False) -> list[tuple]:
     """(dotted key, ok, expected, value) for a speculative spec: None, a method dict or a list of them.
-    default_k=None requires num_draft_tokens (config files state it). Warns when an option is lossy
-    (prior-rollout lenience > 1)."""
+    default_k=None requires num_draft_tokens (config files state it). warn: say so when an option is
+    lossy (prior-rollout lenience > 1); the drafter itself warns again when it is built."""
     if spec is None:
         return []
     specs = spec if isinstance(spec, list) else [spec]
@@ -71,9 +72,10 @@ def rules(spec, key: str = "speculative", default_k: int | None = DEFAULT_DRAFT_
             out.append((f"{at}.model", isinstance(s.get("model"), str),
                         "a draft model directory (method draft_model needs `model`)", s.get("model")))
         lenience = s.get("lenience", 1.0)
-        out.append((f"{at}.lenience", isinstance(lenience, (int, float)) and lenience >= 1,
-                    "1 (exact) or > 1 (LOSSY, method prior only)", lenience))
-        if m == "prior" and isinstance(lenience, (int, float)) and lenience > 1:
+        number = isinstance(lenience, (int, float)) and not isinstance(lenience, bool)
+        out.append((f"{at}.lenience", number and lenience >= 1, "1 (exact) or > 1 (LOSSY, method prior only)",
+                    lenience))
+        if warn and m == "prior" and number and lenience > 1:
             warnings.warn(f"{at}.lenience={lenience} is LOSSY: rollouts no longer follow the policy's "
                           f"distribution exactly (SPEC-RL lenient acceptance)", stacklevel=3)
     return out

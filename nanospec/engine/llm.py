@@ -113,7 +113,8 @@ class LLM:
         self.max_model_len = min(max_model_len or a.max_position_embeddings, a.max_position_embeddings)
         if block_size < 1 or block_size & (block_size - 1):
             raise ValueError(f"block_size must be a power of 2, got {block_size}")
-        registry.check(speculative)      # a bad spec fails here, before any memory is allocated
+        speculative = speculative or None    # [] / {}: plain decoding, as None
+        registry.check(speculative)          # a bad spec fails here, before any memory is allocated
         specs = [] if speculative is None else speculative if isinstance(speculative, list) else [speculative]
         if num_kv_blocks is None:
             second = any(registry.canonical(s["method"]) in ("self_nf4", "draft_model") for s in specs)
