@@ -223,22 +223,7 @@ class RolloutWorker:
         lengths = {i: ls for r in ranks for i, ls in r["lengths"].items()}
         for i, p in enumerate(problems):        # same order on every rank -> identical predictors
             self.predictor.observe(p.prompt, lengths[i], len(self.prompt_ids(p)))
-        merged, per = defaultdict(int), defaultdict(lambda: defaultdict(int))
-        for k in ("target_forwards", "seq_forwards", "generated_tokens", "prefill_tokens", "verify_steps",
-                  "proposed_tokens", "accepted_tokens"):
-            merged[k] += 0                      # present (as 0) even in a step without drafts
-        for r in ranks:
-            for k, v in r["stats"].items():
-                if k != "per_drafter":
-                    merged[k] += v
-            for name, d in r["stats"]["per_drafter"].items():
-                for k, v in d.items():
-                    per[name][k] += v
-        merged["per_drafter"] = per
-        m = summarize(merged, lossy=bool(self.llm.drafter is not None and self.llm.drafter.lossy))
-        for key in {k for r in ranks for k in r["policy"]}:     # spec_on_frac, draft_len_mean, ...
-            vals = [r["policy"][key] for r in ranks if key in r["policy"]]
-            m[key] = sum(vals) / len(vals)
+        m, merged, per = self._merged_stats(ranks)
         busy, wall = [r["busy"] for r in ranks], max(elapsed, *(r["wall"] for r in ranks))
         work = rank_work(pred, assignment)
         all_len = sorted(x for ls in lengths.values() for x in ls)
@@ -252,17 +237,42 @@ class RolloutWorker:
                  bubble_draft_proposed=per["bubble"]["proposed"] if "bubble" in per else 0,
                  response_len_mean=sum(all_len) / max(len(all_len), 1),
                  response_len_p50=all_len[len(all_len) // 2] if all_len else 0, response_len_max=max(all_len, default=0))
-        # Share of the previous step's bubble turned into accepted draft tokens: the share spent
-        # drafting, times the fraction of those drafted tokens accepted now (capped at 1: one bubble
-        # token can be accepted by several samples of its group).
-        prev = self.last_bubble
-        if prev and prev["bubble_time"] > 0 and self.world > 1:
-            ratio = accepted / max(prev["tokens"], 1)
-            m["bubble_accept_ratio"] = ratio
-            m["bubble_recovered_frac"] = prev["draft_time"] / prev["bubble_time"] * min(1.0, ratio)
+        m.update(self._bubble_recovery(accepted))
         self.last_bubble = dict(tokens=sum(bub_tokens), draft_time=sum(r["draft_time"] for r in ranks),
                                 bubble_time=sum(r["bubble"] for r in ranks))
         return m
+
+    def _merged_stats(self, ranks: list[dict]) -> tuple[dict, dict, dict]:
+        """Engine counters summed over ranks (per drafter too) -> (metrics, sums, per-drafter sums);
+        the controller's stats (spec_on_frac, draft_len_mean, ...) averaged over the ranks that have them."""
+        merged, per = defaultdict(int), defaultdict(lambda: defaultdict(int))
+        for k in ("target_forwards", "seq_forwards", "generated_tokens", "prefill_tokens", "verify_steps",
+                  "proposed_tokens", "accepted_tokens"):
+            merged[k] += 0                      # present (as 0) even in a step without drafts
+        for r in ranks:
+            for k, v in r["stats"].items():
+                if k != "per_drafter":
+                    merged[k] += v
+            for name, d in r["stats"]["per_drafter"].items():
+                for k, v in d.items():
+                    per[name][k] += v
+        merged["per_drafter"] = per
+        m = summarize(merged, lossy=bool(self.llm.drafter is not None and self.llm.drafter.lossy))
+        for key in {k for r in ranks for k in r["policy"]}:
+            vals = [r["policy"][key] for r in ranks if key in r["policy"]]
+            m[key] = sum(vals) / len(vals)
+        return m, merged, per
+
+    def _bubble_recovery(self, accepted: int) -> dict:
+        """Share of the previous step's bubble turned into accepted draft tokens: the share spent
+        drafting, times the fraction of those drafted tokens accepted now (capped at 1: one bubble
+        token can be accepted by several samples of its group)."""
+        prev = self.last_bubble
+        if not (prev and prev["bubble_time"] > 0 and self.world > 1):
+            return {}
+        ratio = accepted / max(prev["tokens"], 1)
+        return dict(bubble_accept_ratio=ratio,
+                    bubble_recovered_frac=prev["draft_time"] / prev["bubble_time"] * min(1.0, ratio))
 
     # ---- checkpoints ------------------------------------------------------------------------------
     def state_dict(self) -> dict:
