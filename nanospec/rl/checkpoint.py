@@ -181,7 +181,7 @@ ENGINE_STATE_VERSION = 2      # 2: engine/controller.py, a 6-feature LatencyMode
 
 def engine_state(llm) -> dict:
     """What shapes the next rollouts besides the weights: history drafters' caches (prior responses,
-    suffix tries), the speculation policy (ladder rungs, latency model) and model drafters' RNG.
+    suffix tries), the draft controller (ladder rungs, latency model) and model drafters' RNG.
     Without it a resumed run drafts differently, which consumes the sampler's uniforms differently."""
     drafters = [{"generator": d.generator.get_state()} if d.needs_kv else flat_dumps(dict(vars(d)))
                 for d in members(llm.drafter)]
