@@ -4,6 +4,7 @@ import ast
 import inspect
 import subprocess
 import sys
+import typing
 from pathlib import Path
 
 import pytest
@@ -98,3 +99,6 @@ def test_registry_options_are_the_builders_keywords():
             params = {**params, **inspect.signature(SuffixMLPDrafter).parameters}
         accepted = {n for n, p in params.items() if p.kind is not p.VAR_KEYWORD} - {"target", "vocab_size"}
         assert set(method.options) == accepted, name
+        builder = registry.load(name)        # a Drafter class, or a function annotated to return one
+        built = builder if isinstance(builder, type) else typing.get_type_hints(builder)["return"]
+        assert method.own_kv == built.needs_kv, name           # the engine sizes its KV pool by it

@@ -22,6 +22,7 @@ class Method:
     builder: str                   # "module:callable" -> a Drafter, called with the options given
     options: tuple[str, ...]       # keyword arguments a config may set (defaults: the builder's)
     needs_target: bool = False     # the builder's first argument is the target (base.DraftTarget)
+    own_kv: bool = False           # keeps a KV cache of its own over the target's blocks (Drafter.needs_kv)
 
 
 METHODS = {
@@ -30,9 +31,10 @@ METHODS = {
                      ("depth", "window", "min_prob", "alpha", "max_nodes", "use_global", "global_max_nodes",
                       "global_depth", "own_prefix", "shrink")),
     "prior": Method("nanospec.drafters.prior:PriorRolloutDrafter", ("max_per_prompt", "lenience")),
-    "self_nf4": Method("nanospec.drafters.model_drafter:self_nf4_drafter", ("seed",), needs_target=True),
+    "self_nf4": Method("nanospec.drafters.model_drafter:self_nf4_drafter", ("seed",), needs_target=True,
+                       own_kv=True),
     "draft_model": Method("nanospec.drafters.model_drafter:draft_model_drafter", ("model", "seed"),
-                          needs_target=True),
+                          needs_target=True, own_kv=True),
     "suffix_mlp": Method("nanospec.drafters.suffix_mlp:suffix_mlp_drafter",
                          ("model", "override", "min_mlp_prob", "min_path_prob", "learn_epochs", "learn_lr",
                           "buffer", "seed"), needs_target=True),
@@ -99,12 +101,17 @@ def build(spec, target=None):
     if spec is None:
         return None
     check(spec)
-    if isinstance(spec, list):
-        members = [build(s, target) for s in spec]
-        if len(members) == 1:
-            return members[0]
-        from nanospec.drafters.chain import ChainDrafter
-        return ChainDrafter(members)
+    if not isinstance(spec, list):
+        return _build_one(spec, target)
+    members = [_build_one(s, target) for s in spec]
+    if len(members) == 1:
+        return members[0]
+    from nanospec.drafters.chain import ChainDrafter
+    return ChainDrafter(members)
+
+
+def _build_one(spec: dict, target):
+    """One checked method dict -> its Drafter."""
     method = METHODS[canonical(spec["method"])]
     opts = {k: v for k, v in spec.items() if k not in ENGINE_KEYS}
     if not method.needs_target:

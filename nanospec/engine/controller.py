@@ -362,8 +362,8 @@ class DraftController:
     Probes: an off drafter still drafts for `probe_rows` rows on a probe step, so its acceptance keeps
     being measured; the gap between probes doubles while it stays off (`probe_every` up to
     `probe_every_max` steps). With ragged steps packing their real tokens (models/decoder.py) a probe costs
-    ~probe_rows * k extra tokens: an always-wrong drafter costs ~2% per engine step over plain AR. A
-    drafter with its own KV is probed only on rows it is current on (`_probe_rows`).
+    only ~probe_rows * k extra tokens. A drafter with its own KV is probed only on rows it is current
+    on (`_probe_rows`).
     Drafts with confidence: a drafter that estimates each draft token's acceptance (the suffix tree's
     path frequencies, the prior rollout's stored probabilities: `Proposal.confidence`) is not toggled
     per source; with a toggle, `clip` keeps per row the drafts whose expected tokens pay for their

@@ -117,7 +117,7 @@ class LLM:
         registry.check(speculative)          # a bad spec fails here, before any memory is allocated
         specs = [] if speculative is None else speculative if isinstance(speculative, list) else [speculative]
         if num_kv_blocks is None:
-            second = any(registry.canonical(s["method"]) in ("self_nf4", "draft_model") for s in specs)
+            second = any(registry.METHODS[registry.canonical(s["method"])].own_kv for s in specs)
             num_kv_blocks = kv_pool_blocks(self.model, block_size, max_num_seqs * -(-self.max_model_len // block_size),
                                            gpu_memory_utilization, kv_cache_gib, second)
         self.blocks = BlockManager(num_kv_blocks, block_size, prefix_caching)
