@@ -8,9 +8,27 @@
 One process per rank: gloo on CPU, nccl on GPU; each rank uses run.num_threads torch threads
 (default 1: two ranks on two cores must not oversubscribe them). Rank 0 prints the summary and
 writes RUN_DIR/metrics.jsonl (`python -m nanospec.rl.report RUN_DIR` plots it) and the checkpoints.
+
+Errors in what the user gave (config, overrides, model directory, data files, checkpoints) are found
+while setting up, before any step runs: they print one line, `train.py: error: ...` (rank 0 only),
+and exit 2, as argparse does. A traceback means a bug (NANOSPEC_TRACEBACK=1 shows one for setup
+errors too). Under torchrun, torchrun adds its own report of the failed ranks after that line.
 """
 import argparse
+import os
 import sys
+
+USER_ERRORS = (ValueError, TypeError, FileNotFoundError)   # what the input checks raise
+
+
+def user_error(e: Exception) -> int:
+    """argparse's convention for bad input: one line on stderr (once, from rank 0), exit status 2."""
+    if os.environ.get("NANOSPEC_TRACEBACK"):
+        raise e
+    if os.environ.get("RANK", "0") == "0":
+        msg = str(e.args[0]) if isinstance(e, FileNotFoundError) and e.args else str(e)
+        print(f"train.py: error: {msg}", file=sys.stderr, flush=True)
+    return 2
 
 
 def main(argv=None) -> int:
@@ -29,7 +47,10 @@ def main(argv=None) -> int:
     from nanospec.rl import dist
     from nanospec.config import load_config
 
-    cfg = load_config(args.config, overrides)      # config errors surface before any process group
+    try:
+        cfg = load_config(args.config, overrides)  # config errors surface before any process group
+    except USER_ERRORS as e:
+        return user_error(e)
     torch.set_num_threads(cfg.run.num_threads)
     dist.init_distributed("nccl" if cfg.rollout.device.startswith("cuda") else "gloo")
     ok = False
@@ -41,7 +62,11 @@ def main(argv=None) -> int:
                 print(f"[sft] model in {out}")
         else:
             from nanospec.rl.grpo import Trainer
-            Trainer(cfg).train()
+            try:
+                trainer = Trainer(cfg)
+            except USER_ERRORS as e:     # setup reads only the user's inputs; later errors are bugs
+                return user_error(e)
+            trainer.train()
         ok = True
     finally:
         dist.cleanup(sync=ok)

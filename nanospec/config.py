@@ -179,10 +179,16 @@ class SpeculationConfig:
     draft_ladder: list[int] = field(default_factory=lambda: [2, 4, 6, 8])  # capped at num_draft_tokens
     ladder_up: float = 0.94
     ladder_down: float = 0.85
+    # Repeatable runs (tests, exact resume checks): the two choices made from wall-clock time, fixed
+    latency_profile: str | None = None  # a profile JSON whose cost model replaces the clock (latency.py)
+    bubble_token_budget: int | None = None  # null: bubble-draft until the last rank ends; N: N tokens
 
     def rules(self):
         c, b, lad = self.length_classes, self.length_class_budgets, self.draft_ladder
-        return [("length_classes", all(t > 0 for t in c) and all(x < y for x, y in zip(c, c[1:])),
+        p, n = self.latency_profile, self.bubble_token_budget
+        return [("latency_profile", p is None or Path(p).is_file(), "null or an existing profile JSON file"),
+                ("bubble_token_budget", n is None or (is_int(n) and n >= 1), "null or an int >= 1"),
+                ("length_classes", all(t > 0 for t in c) and all(x < y for x, y in zip(c, c[1:])),
                  "strictly increasing lengths > 0 ([] = off)"),
                 ("length_class_budgets", not c or b is None or len(b) == len(c) + 1,
                  f"null or len(length_classes) + 1 = {len(c) + 1} draft budgets"),

@@ -454,3 +454,30 @@ def test_llm_is_adaptive_by_default_and_fixed_k_on_request(tmp_path, monkeypatch
     assert auto.controller.alpha("wrong") == rate < 0.5
     with pytest.warns(UserWarning, match="earlier nanospec"):
         load_engine_state(fixed, {k: v for k, v in state.items() if k != "version"})
+
+
+def test_a_replayed_profile_makes_the_controller_ignore_the_clock(tmp_path):
+    """speculation.latency_profile: the same tokens give the same choices however long steps take."""
+    import json
+    from nanospec.engine.controller import DraftController
+    from nanospec.engine.latency import replayed_profile
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps({"samples": _grid(), "draft_seconds_per_seq": 1e-4}))
+    seqs = [type("S", (), {"__len__": lambda self: 40, "predicted_len": 0, "num_completion_tokens": 0})()
+            for _ in range(2)]
+
+    def run(clock):
+        lat, _, per_seq = replayed_profile(path)
+        pol = DraftController(toggle=SpeculationToggle(lat, 1.05), sources=["ngram"], probe_every=2,
+                              replay=True, draft_time=per_seq)
+        for step, seconds in enumerate(clock):
+            ks = pol.budgets(seqs, 4)
+            pol.observe_draft_time(seconds / 3, 2, 40.0)
+            pol.observe_forward(seqs, [[1] + [2] * k for k in ks], seconds, emitted=sum(ks) // 2 + 2)
+            pol.observe_acceptance("ngram", max(ks), step % 3)
+        return ks, pol.stats(), lat.coef.tolist(), pol.guard.ar_bias
+    assert run([0.001] * 40) == run([0.5, 0.0001] * 20)
+    assert replayed_profile(path)[0].coef == pytest.approx(TRUE, rel=1e-6)
+    path.write_text(json.dumps({"samples": _grid()}))
+    with pytest.raises(ValueError, match=r"latency_profile: .*profile.json.*draft_samples"):
+        replayed_profile(path, draft=True)

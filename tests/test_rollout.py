@@ -194,7 +194,7 @@ def _signal_case(rank, model_dir, tok):
     dist.barrier()
     if rank == 0:
         sig.arrive()
-        out["n"] = generate_until(llm, sig)
+        out["n"] = generate_until(llm, sig.done)
         out.update(t_exit=time.time(), steps=log, busy_at_exit=llm.scheduler.has_work())
     else:
         time.sleep(0.1)

@@ -18,7 +18,7 @@ from typing import Sequence
 import numpy as np
 
 from nanospec.config import check, is_int
-from nanospec.engine.latency import LatencyModel, profiled_latency
+from nanospec.engine.latency import LatencyModel, profiled_latency, replayed_profile
 
 
 def expected_accepted(alpha: float, k: int) -> float:
@@ -375,14 +375,16 @@ class DraftController:
     (self_nf4, draft model) runs one forward of it per draft token, priced by `draft_latency`, that
     model's own LatencyModel (profiled at start-up like the target's, then fed every propose() time).
     The engine reports back draft time, forward time and acceptance, which keep the latency models,
-    the toggle and the ladder current.
+    the toggle and the ladder current. With `replay` (a fixed latency profile) the clock is never read:
+    every step costs what the latency models say, and they stop learning, so the same tokens always
+    lead to the same choices.
     """
 
     def __init__(self, *, ladder: DraftLengthLadder | None = None, classes: LengthClasses | None = None,
                  toggle: SpeculationToggle | None = None, default_alpha: float = 0.8, probe_every: int = 16,
                  probe_every_max: int = 256, probe_rows: int = 4, sources: Sequence[str] = (),
                  confident_sources: Sequence[str] = (), kv_sources: Sequence[str] = (),
-                 draft_latency: LatencyModel | None = None):
+                 draft_latency: LatencyModel | None = None, replay: bool = False, draft_time: float | None = None):
         check(is_int(probe_every) and 1 <= probe_every <= probe_every_max, "probe_every",
                f"an int in [1, probe_every_max={probe_every_max}]", probe_every)
         check(is_int(probe_rows) and probe_rows >= 1, "probe_rows", "an int >= 1", probe_rows)
@@ -394,7 +396,8 @@ class DraftController:
         self.kv_sources = set(kv_sources)          # sources that keep their own KV (catch up before drafting)
         self.calibration = ConfidenceCalibration()
         self.draft_latency = draft_latency   # seconds of one forward of the drafter's own model, if any
-        self.draft_time = None      # EMA seconds of a history drafter's propose() per sequence
+        self.draft_time = draft_time    # EMA seconds of a history drafter's propose() per sequence
+        self.replay = replay
         self._tally: dict[str, list[float]] = {}    # no ladder: per source recent accepted, rejections
         self._gap: dict[str, list[int]] = {}        # per source: [steps since last probe, probe gap]
         self._pays: dict[str, int | None] = {}      # this step, per source: draft length (0 = off), None = probe
@@ -544,6 +547,10 @@ class DraftController:
         """One propose() call over `num_seqs` sequences. A model drafter's time is `forwards` forwards of
         its model (fed to draft_latency); a history drafter's is kept per sequence, so the cost measured
         on a full batch is not charged in full to a tail step of one straggler."""
+        if self.replay:          # the modeled cost, and nothing learned from the clock
+            any_k, per_token = self.draft_cost(num_seqs, ctx_len)
+            self._step_draft_seconds += any_k + per_token * forwards
+            return
         self._step_draft_seconds += seconds
         if self.draft_latency is not None and forwards:
             self.draft_latency.observe(num_seqs, ctx_len, 1, seconds / forwards)
@@ -558,8 +565,11 @@ class DraftController:
             return
         B, ctx = len(seqs), sum(len(s) for s in seqs) / len(seqs)
         predicted_ar = self.toggle.latency.predict(B, ctx, 1)
-        # packed ragged steps cost ~ the real tokens: Q = mean tokens per sequence
-        self.toggle.latency.observe(B, ctx, sum(map(len, tokens)) / B, seconds)
+        Q = sum(map(len, tokens)) / B        # packed ragged steps cost ~ the real tokens
+        if self.replay:
+            seconds = self.toggle.latency.predict(B, ctx, Q)
+        else:
+            self.toggle.latency.observe(B, ctx, Q, seconds)
         # a step that ran the drafter is an attempt, even if every draft was trimmed: its propose()
         # time is what speculation cost it; only steps that never drafted calibrate plain decoding
         attempted = any(len(t) > 1 for t in tokens) or draft_seconds > 0
@@ -608,12 +618,14 @@ def build_controller(cfg, llm) -> DraftController | None:
     from nanospec.drafters.chain import members
     ladder = DraftLengthLadder(cfg.draft_ladder, cfg.ladder_up, cfg.ladder_down) if cfg.adaptive_draft_length else None
     auto_budgets = bool(cfg.length_classes) and cfg.length_class_budgets is None
-    latency, draft_latency, max_seqs = None, None, llm.scheduler.max_num_seqs
-    if cfg.toggle or auto_budgets:
-        latency = profiled_latency(llm)
+    latency, draft_latency, draft_time, max_seqs = None, None, None, llm.scheduler.max_num_seqs
     model_drafters = [d for d in members(llm.drafter) if d.needs_kv]
-    if cfg.toggle and model_drafters:
-        draft_latency = profiled_latency(llm, model_drafters[0], query_lens=(1,))
+    if cfg.latency_profile:
+        latency, draft_latency, draft_time = replayed_profile(cfg.latency_profile, cfg.toggle and bool(model_drafters))
+    elif cfg.toggle or auto_budgets:
+        latency = profiled_latency(llm)
+        if cfg.toggle and model_drafters:
+            draft_latency = profiled_latency(llm, model_drafters[0], query_lens=(1,))
     classes = None
     if auto_budgets:    # DAS budgets per length class, from this machine's cost model
         max_k = llm.num_draft_tokens or max(cfg.draft_ladder)
@@ -626,4 +638,4 @@ def build_controller(cfg, llm) -> DraftController | None:
                            sources=llm.drafter.sources if llm.drafter is not None else (),
                            confident_sources=[n for d in members(llm.drafter) if d.confident for n in d.sources],
                            kv_sources=[n for d in model_drafters for n in d.sources],
-                           draft_latency=draft_latency)
+                           draft_latency=draft_latency, replay=bool(cfg.latency_profile), draft_time=draft_time)

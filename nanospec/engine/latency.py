@@ -144,6 +144,26 @@ def profiled_latency(llm, drafter=None, query_lens=(1, 4, 8)) -> LatencyModel:
     return latency
 
 
+def replayed_profile(path, draft: bool = False) -> tuple[LatencyModel, LatencyModel | None, float]:
+    """`speculation.latency_profile`: the controller's cost models read from a file, in place of this
+    run's profile and clock, so that its choices (and so the drafts, and the uniforms each row draws)
+    are a function of the tokens alone, and a run repeats exactly. -> (target, model drafter, seconds
+    of a history drafter's propose() per sequence). The file is a profile-cache entry, or that plus:
+        {"samples": [[B, C, Q, seconds], ...],          target steps (the cache's format)
+         "draft_samples": [[B, C, 1, seconds], ...],    one forward of a model drafter (needed with one)
+         "draft_seconds_per_seq": 0.0}                  a history drafter's propose() (default 0)"""
+    try:
+        data = json.loads(Path(path).read_text())
+        target = LatencyModel().fit([tuple(r) for r in data["samples"]])
+        drafter = LatencyModel().fit([tuple(r) for r in data["draft_samples"]]) if draft else None
+        per_seq = float(data.get("draft_seconds_per_seq", 0.0))
+    except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        want = '"samples" and, with a model drafter, "draft_samples"' if draft else '"samples"'
+        raise ValueError(f"speculation.latency_profile: {path}: expected a JSON object with {want}: "
+                         f"lists of [B, C, Q, seconds] ({type(e).__name__}: {e})") from None
+    return target, drafter, per_seq
+
+
 def profile_cache_path(model, device, grid: dict):
     """$NANOSPEC_CACHE/profiles/<hash>.json, keyed by everything the timings depend on but the weights."""
     import platform

@@ -7,9 +7,11 @@
     COMPLETE.json                                     manifest: size + sha256 of every file above
 
 Why atomic: a run killed mid-save must never leave a directory that looks usable. Every rank
-writes into `.tmp_step_NNNNNN`, rank 0 writes the manifest last and renames the directory into
-place (one rename, atomic on POSIX). Loading re-hashes every file against the manifest, so a
-truncated or corrupted file raises a ValueError naming it instead of resuming from garbage.
+writes into `.tmp_step_NNNNNN`, rank 0 fsyncs the files, writes the manifest last and renames the
+directory into place (one rename, atomic on POSIX); older checkpoints are pruned only after that.
+So a `step_NNNNNN` directory is complete or absent. Loading re-hashes every file against the
+manifest: a file damaged later (truncated, bit rot) raises a ValueError naming it, and resuming
+(`resume_point`) falls back to the previous complete checkpoint instead of resuming from garbage.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ import torch
 
 from nanospec.drafters.chain import members
 from nanospec.models.loader import save_model
+from nanospec.rl.faults import fault_point
 
 MANIFEST = "COMPLETE.json"
 _STEP = re.compile(r"^step_(\d+)$")
@@ -68,16 +71,23 @@ def save_checkpoint(run_dir, step: int, model, tokenizer, trainer_state: dict, r
         tmp.mkdir(parents=True)
     barrier()
     torch.save(rank_state, tmp / f"rank{rank}.pt")
+    fault_point("save", step, rank)
     barrier()
     if rank == 0:
         save_model(model, tmp, tokenizer)
         torch.save(trainer_state, tmp / "trainer_state.pt")
-        files = {p.name: {"size": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(tmp.iterdir())}
+        fault_point("save", step, rank)
+        files = {}
+        for p in sorted(tmp.iterdir()):
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())     # on disk before the manifest vouches for it (power loss)
+            files[p.name] = {"size": p.stat().st_size, "sha256": _sha256(p)}
         manifest = {"step": step, "world_size": world_size, "files": files}
         with open(tmp / MANIFEST, "w") as f:
             json.dump(manifest, f, indent=1)
             f.flush()
             os.fsync(f.fileno())
+        fault_point("save", step, rank)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         for old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
@@ -121,6 +131,29 @@ def verify_checkpoint(path) -> dict:
 def latest_checkpoint(run_dir) -> Path | None:
     ckpts = list_checkpoints(run_dir)
     return ckpts[-1] if ckpts else None
+
+
+def resume_point(run_dir, log=print, quarantine: bool = True) -> Path | None:
+    """The newest checkpoint that verifies (None: there is none at all). Newer ones that do not (a
+    file truncated or changed since it was written) are skipped, saying why, and with `quarantine`
+    (rank 0) renamed step_NNNNNN.corrupt: kept for inspection, never picked or pruned again. If no
+    checkpoint verifies, a ValueError says why for each and nothing is renamed."""
+    errors = []
+    for ck in reversed(list_checkpoints(run_dir)):
+        try:
+            verify_checkpoint(ck)
+        except ValueError as e:
+            errors.append((ck, e))
+            continue
+        for bad, e in errors:
+            log(f"[resume] {e}; falling back to {ck.name}" + (f" ({bad.name} -> {bad.name}.corrupt)"
+                                                              if quarantine else ""))
+            if quarantine:
+                os.replace(bad, bad.with_name(bad.name + ".corrupt"))
+        return ck
+    if errors:
+        raise ValueError("no checkpoint to resume from verifies: " + "; ".join(str(e) for _, e in errors))
+    return None
 
 
 def load_checkpoint(path, rank: int = 0, world_size: int = 1) -> tuple[dict, dict]:

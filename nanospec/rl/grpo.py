@@ -35,9 +35,10 @@ import torch.utils.checkpoint
 from tqdm.auto import tqdm
 
 from nanospec.rl import dist
-from nanospec.rl.checkpoint import (engine_state, latest_checkpoint, list_checkpoints, load_checkpoint, load_engine_state, rng_state, save_checkpoint, set_rng_state)
+from nanospec.rl.checkpoint import (engine_state, list_checkpoints, load_checkpoint, load_engine_state, resume_point, rng_state, save_checkpoint, set_rng_state)
 from nanospec.config import config_to_dict, save_config, validate_world
 from nanospec.rl.dist import all_reduce_grads, hash_seed
+from nanospec.rl.faults import fault_point
 from nanospec.drafters.chain import find_drafter, members
 from nanospec.engine.llm import LLM
 from nanospec.models.hub import resolve_model
@@ -288,6 +289,7 @@ class Trainer:
     def _optimizer_step(self) -> float:
         params = list(self.policy.parameters())
         all_reduce_grads(params)   # SUM over ranks: each rank's loss is already scaled by the global counts
+        fault_point("optimizer", self.step, self.rank)
         norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.grpo.max_grad_norm or math.inf)
         self.opt.step()
         self.sched.step()
@@ -395,7 +397,7 @@ class Trainer:
                                world_size=self.world, barrier=dist.barrier)
 
     def _resume(self) -> None:
-        ck = latest_checkpoint(self.run_dir)
+        ck = resume_point(self.run_dir, self.log, quarantine=self.rank == 0)
         if ck is None:
             self.log(f"[resume] no complete checkpoint in {self.run_dir}/checkpoints: starting at step 0")
             return

@@ -27,9 +27,10 @@ import warnings
 from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Hashable
+from typing import Callable, Hashable
 
 from nanospec.rl import dist
+from nanospec.rl.faults import fault_point
 from nanospec.drafters.chain import find_drafter
 from nanospec.engine.llm import LLM, summarize
 from nanospec.rl.scheduling import LengthPredictor, assign_to_ranks, imbalance, rank_work
@@ -60,11 +61,11 @@ def assign_prompts(predicted: list[float], world_size: int, length_aware: bool) 
     return [list(range(r * m, (r + 1) * m)) for r in range(world_size)]
 
 
-def generate_until(llm: LLM, signal: dist.DoneSignal, refill=lambda: None) -> int:
-    """Engine steps until every rank has arrived or the engine runs dry (`refill()` may add requests
-    before each step); returns the steps run."""
+def generate_until(llm: LLM, done: Callable[[], bool], refill=lambda: None) -> int:
+    """Engine steps until `done()` (e.g. every rank has arrived: `DoneSignal.done`) or the engine runs
+    dry (`refill()` may add requests before each step); returns the steps run."""
     steps = 0
-    while not signal.done():
+    while not done():
         refill()
         if not llm.scheduler.has_work():
             break
@@ -112,6 +113,7 @@ class RolloutWorker:
         self.predictor = LengthPredictor()
         self.prior = find_drafter(llm.drafter, "prior")     # where bubble drafts land
         self.bubble = bool(cfg.speculation.bubble_drafting and self.prior is not None)
+        self.bubble_budget = cfg.speculation.bubble_token_budget
         if cfg.speculation.bubble_drafting and llm.drafter is not None and self.prior is None:
             warnings.warn("speculation.bubble_drafting needs a 'prior' drafter in rollout.speculative; "
                           "bubble drafting is off", stacklevel=2)
@@ -157,6 +159,7 @@ class RolloutWorker:
             t0 = time.perf_counter()
             groups = [(i, self._add(problems[i], pred[i], i)) for i in assignment[self.rank]]  # longest first
             while llm.scheduler.has_work():
+                fault_point("rollout", step, self.rank)
                 llm.step()
             t_busy = time.perf_counter()
             stats = _plain_stats(llm.stats)
@@ -164,7 +167,7 @@ class RolloutWorker:
             signal = dist.DoneSignal()
             signal.arrive()
             drafts, t_draft = [], 0.0
-            if self.bubble and upcoming and not signal.done():
+            if self.bubble and upcoming and (self.bubble_budget or not signal.done()):
                 drafts = self._bubble(signal, upcoming)
                 t_draft = time.perf_counter() - t_busy
             signal.wait()
@@ -192,7 +195,10 @@ class RolloutWorker:
         At most `cap` bubble sequences run at once, admitted a few per engine step: a bubble step must
         stay short, since the last rank waits for the one in flight when it finishes. Finished bubble
         responses must not enter the local prior cache as "prior" (they are shared as "bubble"
-        instead): they are marked `Sequence.bubble`, which the prior drafter skips."""
+        instead): they are marked `Sequence.bubble`, which the prior drafter skips.
+        With `speculation.bubble_token_budget` every rank drafts exactly that many tokens (or until
+        the upcoming prompts run out) whenever the others finish: drafts that do not depend on
+        timing, for repeatable runs; a rank may then hold the others up."""
         pred = [self.predict(p) for p in upcoming]
         order = sorted(range(len(upcoming)), key=lambda j: (-pred[j], j))
         share = set(order[self.rank::self.world])
@@ -207,7 +213,9 @@ class RolloutWorker:
                     break
                 j = pending.pop()
                 seqs.extend(self._add(upcoming[j], pred[j], -1 - j, greedy, bubble=True))
-        generate_until(self.llm, signal, refill)
+        budget = self.bubble_budget
+        drafted = lambda: sum(s.num_completion_tokens for s in seqs) >= budget
+        generate_until(self.llm, drafted if budget else signal.done, refill)
         for s in seqs:
             self.llm.abort(s)          # frees KV; its partial response stays a valid draft
         return [(s.prompt_key, s.completion_token_ids, s.logprobs) for s in seqs if s.num_completion_tokens]

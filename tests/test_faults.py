@@ -1,0 +1,168 @@
+"""Faults: a rank SIGKILLed mid-rollout, mid-optimizer step or mid-save resumes exactly; damaged
+checkpoints are skipped, never resumed from; bad input is one line and exit status 2.
+
+The e2e run is the embedded default on 2 gloo ranks (torchrun), shrunk to a short SFT + 4 GRPO steps, with every speculation policy on, in its repeatable mode: a
+fixed latency profile in place of the clock and a token budget for the bubble, the two choices that
+otherwise follow wall-clock time (two runs would then draft differently, and a different draft
+length changes which uniforms a row draws). In that mode two runs agree on every metric that does
+not measure time, so a resumed run must too.
+"""
+import hashlib
+import itertools
+import json
+import os
+import random
+import subprocess
+
+import pytest
+
+from conftest import ROOT
+from nanospec.rl.checkpoint import list_checkpoints, resume_point, verify_checkpoint
+
+TORCHRUN = [str(ROOT / ".venv" / "bin" / "torchrun"), "--standalone", "--nproc_per_node=2"]
+SMALL = ["--sft.steps=150", "--sft.batch_size=16", "--grpo.num_steps=4", "--grpo.prompts_per_step=4",
+         "--grpo.num_generations=4", "--task.num_test=8", "--task.num_train=64", "--run.save_every=2",
+         "--speculation.bubble_token_budget=64"]
+TIMED = ("time", "rank_busy", "rank_bubble_time", "rank_bubble_draft_time", "rank_train", "rank_rollout",
+         "tokens_per_s", "rollout_imbalance", "rss", "bubble_recovered_frac")
+
+
+def write_profile(path) -> str:
+    """A fixed cost model in the profile-cache format (latency.py): t = a + b*B + c*B*Q + d*B*C (+ verify)."""
+    grid = itertools.product((1, 8, 32), (32, 64), (1, 4, 8))
+    samples = [[B, C, Q, 2e-3 + 5e-5 * B + 2e-5 * B * Q + 1e-7 * B * C + 5e-4 * (Q > 1)] for B, C, Q in grid]
+    path.write_text(json.dumps({"samples": samples, "draft_seconds_per_seq": 5e-5}))
+    return str(path)
+
+
+def untimed(rec: dict) -> dict:
+    return {k: v for k, v in rec.items() if not any(t in k for t in TIMED)}
+
+
+def train(shared, out, *extra, fault=None, ok=True):
+    cmd = TORCHRUN + ["train.py", "--config", "configs/default.yaml", f"--run.out_dir={out}",
+                      f"--sft.out_dir={shared / 'sft'}", f"--speculation.latency_profile={shared / 'profile.json'}",
+                      *SMALL, *extra]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "NANOSPEC_FAULT": fault or ""}
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    assert (p.returncode == 0) == ok, f"fault={fault} rc={p.returncode}\n" + p.stdout[-3000:] + p.stderr[-3000:]
+    return p.stdout + p.stderr
+
+
+def metrics(out) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def sha(path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.mark.slow
+def test_kill_a_rank_anywhere_and_resume_exactly(tmp_path):
+    write_profile(tmp_path / "profile.json")
+    log = train(tmp_path, tmp_path / "ref")
+    ref = metrics(tmp_path / "ref")
+    assert [r["step"] for r in ref] == [0, 1, 2, 3]
+    assert all(len(r["rank_busy_time"]) == 2 and r["speculative"] == "prior+suffix" for r in ref)
+    assert "before" in log and "after" in log and "python -m nanospec.rl.report" in log
+    from transformers import AutoModelForCausalLM     # a checkpoint is an ordinary HF model directory
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "ref" / "checkpoints" / "step_000004").config.model_type == "llama"
+    again = tmp_path / "again"                     # the repeatable mode is repeatable
+    train(tmp_path, again)
+    assert [untimed(r) for r in metrics(again)] == [untimed(r) for r in ref]
+    assert sum(r["accepted_tokens"] for r in ref) > 0 and sum(r["bubble_draft_accepted"] for r in ref) > 0
+    # one run, killed three times; each relaunch resumes from the last complete checkpoint
+    seed = random.randrange(10**6)
+    rng = random.Random(seed)
+    rank = lambda: rng.randrange(2)
+    faults = [f"rollout:3:{rank()}:{rng.randint(1, 6)}",      # mid-rollout of step 3 (after the step-2 save)
+              f"optimizer:3:{rank()}:1",                      # mid-optimizer step, after a resume
+              f"save:4:0:{rng.randint(1, 3)}" if rng.random() < 0.5 else "save:4:1:1"]   # mid-save
+    run = tmp_path / "run"
+    for i, fault in enumerate(faults):
+        log = train(tmp_path, run, *(["--resume"] if i else []), fault=fault, ok=False)
+        where = f"seed {seed}, fault {fault}"
+        ckpts = list_checkpoints(run)
+        assert [c.name for c in ckpts] == ["step_000002"], (where, log[-2000:])
+        for c in (run / "checkpoints").iterdir():        # a step_* directory is complete or absent
+            if c.name.startswith("step_"):
+                verify_checkpoint(c)
+    log = train(tmp_path, run, "--resume")
+    assert "continuing at step 2" in log
+    assert [untimed(r) for r in metrics(run)] == [untimed(r) for r in ref], f"seed {seed}, faults {faults}"
+    final = lambda d: d / "checkpoints" / "step_000004" / "model.safetensors"
+    assert sha(final(run)) == sha(final(tmp_path / "ref"))
+
+
+@pytest.fixture(scope="module")
+def two_checkpoints(tmp_path_factory):
+    """A world-1 run of the tiny test model with checkpoints at steps 1 and 2."""
+    from test_grpo import tiny_cfg
+    from nanospec.rl.grpo import Trainer
+    tmp = tmp_path_factory.mktemp("ckpt")
+    cfg = tiny_cfg(tmp, run__save_every=1, run__out_dir=str(tmp / "run"),
+                   rollout__speculative=[{"method": "prior", "num_draft_tokens": 4},
+                                         {"method": "suffix", "num_draft_tokens": 4}])
+    Trainer(cfg, log=lambda *a: None).train()
+    return cfg, tmp / "run"
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "manifest"])
+def test_resume_falls_back_past_a_damaged_checkpoint(two_checkpoints, tmp_path, damage):
+    import shutil
+    from nanospec.rl.grpo import Trainer
+    cfg, src = two_checkpoints
+    run = tmp_path / "run"
+    shutil.copytree(src, run)
+    bad = run / "checkpoints" / "step_000002"
+    f = bad / ("COMPLETE.json" if damage == "manifest" else "model.safetensors")
+    data = bytearray(f.read_bytes())
+    if damage == "truncate":
+        data = data[:len(data) // 2]
+    elif damage == "flip":
+        data[len(data) // 2] ^= 1
+    else:
+        data = data[:-5]
+    f.write_bytes(bytes(data))
+    logs = []
+    assert resume_point(run, logs.append, quarantine=False) == run / "checkpoints" / "step_000001"
+    assert "falling back to step_000001" in logs[0] and f.name in logs[0]
+    cfg.run.out_dir, cfg.run.resume = str(run), True
+    logs = []
+    tr = Trainer(cfg, log=logs.append)
+    assert tr.step == 1 and any("falling back" in line for line in logs)
+    assert not bad.exists() and (run / "checkpoints" / "step_000002.corrupt").is_dir()   # kept, set aside
+    assert [c.name for c in list_checkpoints(run)] == ["step_000001"]
+
+
+def test_no_checkpoint_verifies_is_an_error_and_renames_nothing(two_checkpoints, tmp_path):
+    import shutil
+    _, src = two_checkpoints
+    run = tmp_path / "run"
+    shutil.copytree(src, run)
+    for c in list_checkpoints(run):
+        (c / "trainer_state.pt").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"no checkpoint.*step_000002.*trainer_state\.pt.*step_000001"):
+        resume_point(run)
+    assert [c.name for c in list_checkpoints(run)] == ["step_000001", "step_000002"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--grpo.epsilon=-0.1"], "grpo.epsilon: expected > 0, got -0.1"),
+    (["--config", "nope.yaml"], "config file nope.yaml not found"),
+    (["--speculation.latency_profile=nope.json"], "speculation.latency_profile: expected null or an existing"),
+    (["--model.path=/nonexistent/model"], "/nonexistent/model"),
+])
+@pytest.mark.parametrize("launcher", ["python", "torchrun"])
+def test_user_errors_are_one_line_and_exit_2(args, message, launcher):
+    py = str(ROOT / ".venv" / "bin" / "python")
+    cmd = ([py] if launcher == "python" else TORCHRUN) + ["train.py", *args]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    ours = [line for line in p.stderr.splitlines() if line.startswith("train.py: error:")]
+    assert len(ours) == 1 and message in ours[0], p.stderr[-2000:]
+    assert "Traceback" not in p.stderr.split("train.py: error:")[0]
+    if launcher == "python":
+        assert p.returncode == 2 and p.stderr.strip() == ours[0] and not p.stdout.strip()
+    else:        # torchrun reports each rank's exit status 2 after our line, in its own format
+        assert p.returncode != 0 and "exitcode  : 2" in p.stderr
