@@ -167,11 +167,12 @@ def test_gsm8k_reward_parsing(gsm8k):
 def test_gsm8k_clear_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"nowhere.*train\.jsonl"):
         GSM8KTask(data_path=tmp_path / "nowhere").train(3)
-    (tmp_path / "train.jsonl").write_text(json.dumps({"question": "q", "answer": "no final marker"}) + "\n")
-    with pytest.raises(ValueError, match=r"train\.jsonl.*row 0.*####"):
+    good = json.dumps({"question": "q", "answer": "so #### 3"}) + "\n"
+    (tmp_path / "train.jsonl").write_text(good + "\n" + json.dumps({"question": "q", "answer": "no final marker"}) + "\n")
+    with pytest.raises(ValueError, match=r"train\.jsonl: line 3 is malformed.*####"):
         GSM8KTask(data_path=tmp_path).train(1)
-    (tmp_path / "test.jsonl").write_text("{not json\n")
-    with pytest.raises(ValueError, match=r"test\.jsonl"):
+    (tmp_path / "test.jsonl").write_text(good * 4 + "{not json\n")
+    with pytest.raises(ValueError, match=r"test\.jsonl: line 5: not valid JSON"):
         GSM8KTask(data_path=tmp_path).test(1)
 
 

@@ -6,6 +6,7 @@ number; commas, `$` and a trailing `.` are ignored and 72, 72.0 and 72.00 are th
 """
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -45,21 +46,26 @@ def extract_answer(text) -> float | None:
 
 
 def load_split(path) -> list[dict]:
-    """Rows of one jsonl file, checked: a missing file or a malformed row raises naming the file."""
+    """Rows of one jsonl file, checked: a missing file or a malformed line raises naming the file and
+    the line number (a plain line loop: datasets' json loader names neither)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"GSM8K file {path} not found: pass task.data_path (a folder with "
                                 f"train.jsonl/test.jsonl) or set NANOSPEC_DATA")
-    from datasets import load_dataset
-    try:
-        rows = load_dataset("json", data_files=str(path), split="train").to_list()
-    except Exception as e:  # datasets raises several types for broken json
-        raise ValueError(f"{path}: not valid GSM8K jsonl ({type(e).__name__}: {e})") from e
-    for i, r in enumerate(rows):
-        if not (isinstance(r.get("question"), str) and isinstance(r.get("answer"), str)
-                and "####" in r["answer"] and extract_answer(r["answer"]) is not None):
-            raise ValueError(f"{path}: row {i} is malformed: expected string fields 'question' and "
-                             f"'answer' with the answer ending in '#### <number>', got {str(r)[:120]}")
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}: line {n}: not valid JSON ({e.msg} at column {e.colno})") from None
+            if not (isinstance(r, dict) and isinstance(r.get("question"), str) and isinstance(r.get("answer"), str)
+                    and "####" in r["answer"] and extract_answer(r["answer"]) is not None):
+                raise ValueError(f"{path}: line {n} is malformed: expected string fields 'question' and "
+                                 f"'answer' with the answer ending in '#### <number>', got {line.strip()[:120]}")
+            rows.append(r)
     return rows
 
 
