@@ -1,11 +1,12 @@
 """Faults: a rank SIGKILLed mid-rollout, mid-optimizer step or mid-save resumes exactly; damaged
 checkpoints are skipped, never resumed from; bad input is one line and exit status 2.
 
-The e2e run is the embedded default on 2 gloo ranks (torchrun), shrunk to a short SFT + 4 GRPO steps, with every speculation policy on, in its repeatable mode: a
-fixed latency profile in place of the clock and a token budget for the bubble, the two choices that
-otherwise follow wall-clock time (two runs would then draft differently, and a different draft
-length changes which uniforms a row draws). In that mode two runs agree on every metric that does
-not measure time, so a resumed run must too.
+The e2e run is the embedded default on 2 gloo ranks (torchrun), shrunk to a short SFT + 4 GRPO
+steps, with every speculation policy on, in its repeatable mode: a fixed latency profile in place
+of the clock and a token budget for the bubble, the two choices that otherwise follow wall-clock
+time (two runs would then draft differently, and a different draft length changes which uniforms a
+row draws). In that mode two runs agree on every metric that does not measure time, so a resumed
+run must too.
 """
 import hashlib
 import itertools
@@ -18,13 +19,9 @@ import pytest
 
 from conftest import ROOT
 from nanospec.rl.checkpoint import list_checkpoints, resume_point, verify_checkpoint
+from nanospec.soak import RUN, untimed      # the soak script's short default run
 
 TORCHRUN = [str(ROOT / ".venv" / "bin" / "torchrun"), "--standalone", "--nproc_per_node=2"]
-SMALL = ["--sft.steps=150", "--sft.batch_size=16", "--grpo.num_steps=4", "--grpo.prompts_per_step=4",
-         "--grpo.num_generations=4", "--task.num_test=8", "--task.num_train=64", "--run.save_every=2",
-         "--speculation.bubble_token_budget=64"]
-TIMED = ("time", "rank_busy", "rank_bubble_time", "rank_bubble_draft_time", "rank_train", "rank_rollout",
-         "tokens_per_s", "rollout_imbalance", "rss", "bubble_recovered_frac")
 
 
 def write_profile(path) -> str:
@@ -35,14 +32,9 @@ def write_profile(path) -> str:
     return str(path)
 
 
-def untimed(rec: dict) -> dict:
-    return {k: v for k, v in rec.items() if not any(t in k for t in TIMED)}
-
-
 def train(shared, out, *extra, fault=None, ok=True):
-    cmd = TORCHRUN + ["train.py", "--config", "configs/default.yaml", f"--run.out_dir={out}",
-                      f"--sft.out_dir={shared / 'sft'}", f"--speculation.latency_profile={shared / 'profile.json'}",
-                      *SMALL, *extra]
+    cmd = TORCHRUN + ["train.py", *RUN, f"--run.out_dir={out}", f"--sft.out_dir={shared / 'sft'}",
+                      f"--speculation.latency_profile={shared / 'profile.json'}", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "NANOSPEC_FAULT": fault or ""}
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert (p.returncode == 0) == ok, f"fault={fault} rc={p.returncode}\n" + p.stdout[-3000:] + p.stderr[-3000:]
