@@ -244,7 +244,11 @@ class RolloutWorker:
                  bubble_draft_tokens=sum(bub_tokens), bubble_draft_accepted=accepted,
                  bubble_draft_proposed=per["bubble"]["proposed"] if "bubble" in per else 0,
                  response_len_mean=sum(all_len) / max(len(all_len), 1),
-                 response_len_p50=all_len[len(all_len) // 2] if all_len else 0, response_len_max=max(all_len, default=0))
+                 response_len_p50=all_len[len(all_len) // 2] if all_len else 0, response_len_max=max(all_len, default=0),
+                 # the step's trace (nanospec.simulate replays it): every response length, group-major in
+                 # prompt order, and the rank each prompt ran on
+                 response_lens=[x for i in range(len(problems)) for x in lengths[i]],
+                 prompt_rank=[next(r for r, idx in enumerate(assignment) if i in idx) for i in range(len(problems))])
         m.update(self._bubble_recovery(accepted))
         self.last_bubble = dict(tokens=sum(bub_tokens), draft_time=sum(r["draft_time"] for r in ranks),
                                 bubble_time=sum(r["bubble"] for r in ranks))
