@@ -122,6 +122,7 @@ class GRPOConfig:
     warmup_steps: int = 0
     tis_cap: float | None = None        # truncated importance sampling cap (null: off)
     tis_mode: str = "truncate"          # truncate | mask
+    max_staleness: int = 0              # 1: one-step off-policy, step t+1's rollouts run while t trains
 
     def rules(self):
         return [*_pos(self, "num_steps", "prompts_per_step", "max_completion_length", "temperature",
@@ -137,7 +138,10 @@ class GRPOConfig:
                 ("weight_decay", self.weight_decay >= 0, ">= 0"),
                 ("warmup_steps", self.warmup_steps >= 0, ">= 0"),
                 ("tis_cap", self.tis_cap is None or self.tis_cap >= 1, "null (off) or a cap >= 1"),
-                ("tis_mode", self.tis_mode in TIS_MODES, _one_of(TIS_MODES))]
+                ("tis_mode", self.tis_mode in TIS_MODES, _one_of(TIS_MODES)),
+                ("max_staleness", self.max_staleness in (0, 1), "0 (synchronous) or 1 (one-step off-policy)"),
+                ("tis_cap", not self.max_staleness or self.tis_cap is not None,
+                 "a cap >= 1 with max_staleness 1 (rollout logprobs come from the previous policy)")]
 
 
 @dataclass

@@ -248,3 +248,36 @@ def test_sft_only_builds_a_draft_model_the_engine_accepts(tmp_path):
     spec = LLM(target, controller=None, speculative={"method": "draft_model", "model": str(out), "num_draft_tokens": 3})
     assert [o.token_ids for o in spec.generate(prompts, sp, use_tqdm=False)] == [o.token_ids for o in ar]
     assert spec.stats["per_drafter"]["draft_model"]["proposed"] > 0
+
+
+def test_one_step_off_policy_trains_on_the_rollout_made_ahead_and_resumes_exactly(tmp_path):
+    """grpo.max_staleness=1: step t trains on samples drawn by the policy before update t-1 (staleness 1
+    from step 1 on), while the thread rolls out step t+1; the rollout made ahead is checkpointed."""
+    from nanospec.soak import untimed
+    spec = [{"method": "prior", "num_draft_tokens": 4}, {"method": "suffix", "num_draft_tokens": 4}]
+    cfg = tiny_cfg(tmp_path, grpo__max_staleness=1, grpo__tis_cap=2.0, grpo__num_steps=4, run__save_every=2,
+                   rollout__speculative=spec)
+    tr = Trainer(cfg, log=lambda *a: None)
+    assert tr.llm.model is not tr.policy              # the engine keeps the older weights while t trains
+    tr.train()
+    recs = load_metrics(str(tmp_path / "run" / "metrics.jsonl"))
+    assert [r["staleness"] for r in recs] == [0, 1, 1, 1]
+    assert all(r["time_overlap"] > 0 for r in recs[:3]) and recs[3]["time_overlap"] == 0   # none ahead of the last
+    assert all(r["tis/mean_weight"] is not None for r in recs)
+    # resume from step 2: its checkpoint holds the step-2 rollout made during step 1
+    run2 = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "run" / "checkpoints" / "step_000002", run2 / "checkpoints" / "step_000002")
+    cfg.run.out_dir, cfg.run.resume = str(run2), True
+    tr2 = Trainer(cfg, log=lambda *a: None)
+    assert tr2.pending is not None and tr2.pending.version == 1 and tr2.pending.metrics["step"] == 2
+    tr2.train()
+    resumed = load_metrics(str(run2 / "metrics.jsonl"))
+    assert [untimed(r) for r in resumed] == [untimed(r) for r in recs[2:]]
+
+
+def test_max_staleness_is_validated():
+    from nanospec.config import config_from_dict
+    with pytest.raises(ValueError, match=r"grpo\.max_staleness: expected 0 \(synchronous\) or 1"):
+        config_from_dict({"grpo": {"max_staleness": 2, "tis_cap": 2.0}})
+    with pytest.raises(ValueError, match=r"grpo\.tis_cap: expected a cap >= 1 with max_staleness 1"):
+        config_from_dict({"grpo": {"max_staleness": 1, "tis_cap": None}})

@@ -36,13 +36,19 @@ def init_distributed(backend: str | None = None, timeout_s: float = 1800.0) -> t
     return rank(), world_size()
 
 
-def all_gather_object(obj) -> list:
+def all_gather_object(obj, group=None) -> list:
     """[obj of rank 0, obj of rank 1, ...] for picklable objects; [obj] without a process group."""
     if not is_dist():
         return [obj]
     out = [None] * world_size()
-    dist.all_gather_object(out, obj)
+    dist.all_gather_object(out, obj, group=group)
     return out
+
+
+def new_group():
+    """A second group over every rank (collective): a thread that runs collectives alongside the main
+    thread needs its own, or the two threads' calls could pair up out of order across ranks."""
+    return dist.new_group() if is_dist() else None
 
 
 def barrier() -> None:

@@ -16,12 +16,22 @@ of the weights in memory, and the weight sync is only the drafters' refresh. In 
 rollouts, fp32 training) or under captured graphs it holds its own copy, synced in place.
 Old logprobs: without TIS, the engine's rollout logprobs; with TIS (tis_cap), the trainer's recompute,
 and the truncated ratio pi_old/pi_rollout reweights each token (verl / TRL vllm_importance_sampling).
+
+One-step off-policy (grpo.max_staleness: 1, the pipelines of verl, AReaL, NeMo-RL): each rank trains
+on the rollout it made during the previous step, by the policy one update older, while a thread rolls
+out the next step with the current weights; the two meet at the weight sync that ends the step. We
+pipeline within each rank rather than split ranks into generators and trainers: the data-parallel
+layout, the engine and the checkpoint stay those of the synchronous trainer, which is the same loop
+with a pipeline depth of 0. The rollout thread's collectives go through a group of their own, so
+they never pair up with the trainer's. TIS (required) corrects the one-update-old logprobs; drafters
+are refreshed at the same weight sync, so they always draft for the weights the rollout samples from.
 """
 from __future__ import annotations
 
 import json
 import math
 import resource
+from concurrent.futures import ThreadPoolExecutor
 import shutil
 import statistics
 import time
@@ -55,6 +65,17 @@ from nanospec.tasks import format_prompt, task_from_config
 MICROBATCH_TOKENS = 1024   # padded tokens per forward/backward on the trainer side (a real 135M model:
                            # ~0.6 GB of activations)
 LOGIT_CHUNK = 512          # completion tokens whose [*, vocab] logits exist at once
+
+
+@dataclass
+class Rollout:
+    """One step's samples and rollout metrics, with the policy version (optimizer updates applied to
+    the engine's weights) that generated them and when (perf_counter seconds)."""
+    samples: list
+    metrics: dict
+    version: int
+    start: float
+    end: float
 
 
 @dataclass
@@ -178,7 +199,7 @@ class Trainer:
         r = cfg.rollout
         # fp32 rollouts share the policy's tensors (one copy of the weights; the optimizer's in-place
         # updates are what the engine reads next step); another dtype needs the engine's own copy
-        shared = r.dtype == "float32" and not r.use_cuda_graphs
+        shared = r.dtype == "float32" and not r.use_cuda_graphs and not g.max_staleness
         self.llm = LLM(self.policy if shared else load_model(self.init_path, r.dtype, dev), self.tokenizer,
                        dtype=r.dtype, device=dev,
                        max_num_seqs=r.max_num_seqs, block_size=r.block_size, num_kv_blocks=r.num_kv_blocks,
@@ -191,7 +212,11 @@ class Trainer:
             self.log(f"[policy] answer-length classes split at {', '.join(f'{t:g}' for t in c.thresholds)} "
                      f"tokens -> draft budgets {list(c.budgets)}"
                      + (" (cost model)" if cfg.speculation.length_class_budgets is None else ""))
-        self.worker = RolloutWorker(self.llm, self.tokenizer, cfg, self.rank, self.world)
+        # off-policy: rollouts run in a thread, their closing gathers in a process group of their own
+        self.ahead = ThreadPoolExecutor(1, "rollout") if g.max_staleness else None
+        self.worker = RolloutWorker(self.llm, self.tokenizer, cfg, self.rank, self.world,
+                                    dist.new_group() if g.max_staleness else None)
+        self.version, self.pending = 0, None    # engine weights' policy version; the rollout made ahead
         self.opt = torch.optim.AdamW(self.policy.parameters(), lr=g.learning_rate, weight_decay=g.weight_decay)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: min(1.0, (s + 1) / (g.warmup_steps + 1)))
         self.monitor, self.step, self.eval_before, self._perms = DrafterMonitor(), 0, None, {}
@@ -317,19 +342,37 @@ class Trainer:
         if self.rank == 0:
             warnings.warn(msg, stacklevel=2)
 
-    def train_step(self) -> dict:
-        step, t0 = self.step, time.perf_counter()
+    def rollout(self, step: int) -> Rollout:
+        """Step `step`'s samples from the engine's weights as they are now (policy `self.version`)."""
+        t0 = time.perf_counter()
         self._reseed(step)
         samples, m = self.worker.run(step, self.problems(step), self.problems(step + 1))
-        t_roll = time.perf_counter() - t0
-        if self.device.type == "cpu":    # one host RAM: the KV pool's memory serves the backward
+        return Rollout(samples, m, self.version, t0, time.perf_counter())
+
+    def train_step(self) -> dict:
+        """Roll out (or take the rollout made ahead during the last step), learn, sync the engine.
+        Off-policy, the next step's rollout runs in a thread while this one learns."""
+        step, t0 = self.step, time.perf_counter()
+        ro, self.pending = self.pending or self.rollout(step), None
+        ahead = None
+        if self.ahead is not None and step + 1 < self.cfg.grpo.num_steps:
+            ahead = self.ahead.submit(self.rollout, step + 1)
+        elif self.device.type == "cpu":    # one host RAM: the KV pool's memory serves the backward
             self.llm.sleep()
-        rec = self.learn(samples)
+        t_learn = time.perf_counter()
+        rec = self.learn(ro.samples)
         self.opt.zero_grad(set_to_none=True)     # no gradient memory held through the next rollout
+        t_learned = time.perf_counter()
+        self.pending = ahead.result() if ahead is not None else None    # re-raises the thread's error
+        t_joined = time.perf_counter()
         t_sync = self.sync_weights()
+        self.version = step + 1
         self.llm.wake_up()
+        m, nxt = ro.metrics, self.pending
+        overlap = max(0.0, min(nxt.end, t_learned) - max(nxt.start, t_learn)) if nxt is not None else 0.0
+        m.update(staleness=step - ro.version, time_overlap=overlap, time_wait_rollout=t_joined - t_learned)
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20     # KiB on Linux -> GiB
-        recs = dist.all_gather_object(dict(rec, rollout_time=t_roll, peak_rss=rss))
+        recs = dist.all_gather_object(dict(rec, rollout_time=ro.end - ro.start, peak_rss=rss))
         m.update(self._merge(recs), step=step, time_weight_sync=t_sync, lr=self.sched.get_last_lr()[0],
                  rank_peak_rss_gib=[r["peak_rss"] for r in recs],
                  rank_train_time=[r["time"] for r in recs], time_train=max(r["time"] for r in recs),
@@ -392,7 +435,8 @@ class Trainer:
     def save(self) -> Path:
         ts = {"step": self.step, "optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict(),
               "eval_before": self.eval_before, "monitor": vars(self.monitor), "config": config_to_dict(self.cfg)}
-        rs = {"rng": rng_state(), "worker": self.worker.state_dict(), "engine": engine_state(self.llm)}
+        rs = {"rng": rng_state(), "worker": self.worker.state_dict(), "engine": engine_state(self.llm),
+              "pending": self.pending}     # off-policy: the rollout made ahead, not yet trained on
         return save_checkpoint(self.run_dir, self.step, self.policy, self.tokenizer, ts, rs, rank=self.rank,
                                world_size=self.world, barrier=dist.barrier)
 
@@ -408,6 +452,7 @@ class Trainer:
         self.opt.load_state_dict(ts["optimizer"])
         self.sched.load_state_dict(ts["scheduler"])
         self.step, self.eval_before = ts["step"], ts["eval_before"]
+        self.version, self.pending = self.step, rs.get("pending")
         vars(self.monitor).update(ts["monitor"])
         set_rng_state(rs["rng"])
         self.worker.load_state_dict(rs["worker"])

@@ -98,13 +98,14 @@ def _plain_stats(st) -> dict:
 
 
 class RolloutWorker:
-    def __init__(self, llm: LLM, tokenizer, cfg, rank: int = 0, world_size: int = 1):
+    def __init__(self, llm: LLM, tokenizer, cfg, rank: int = 0, world_size: int = 1, group=None):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank: expected an int in [0, world_size={world_size}), got {rank}")
         if world_size != dist.world_size():
             raise ValueError(f"world_size: expected {dist.world_size()} (the initialised process group; "
                              f"call dist.init_distributed() first), got {world_size}")
         self.llm, self.tokenizer, self.cfg = llm, tokenizer, cfg
+        self.group = group          # process group of the step's closing gather (None: the default)
         self.rank, self.world = rank, world_size
         g, eos = cfg.grpo, tokenizer.eos_token_id
         self.params = SamplingParams(temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
@@ -175,7 +176,7 @@ class RolloutWorker:
             mine = dict(busy=t_busy - t0, bubble=t_done - t_busy, draft_time=t_draft, wall=t_done - t0,
                         stats=stats, policy=pstats, drafts=drafts,
                         lengths={i: [s.num_completion_tokens for s in seqs] for i, seqs in groups})
-            ranks = dist.all_gather_object(mine)
+            ranks = dist.all_gather_object(mine, self.group)
             t_gathered = time.perf_counter()
         metrics = self._finish(problems, pred, assignment, ranks, t_gathered - t0)
         samples = [Sample(problems[i], problems[i].prompt, s.prompt_token_ids, s.completion_token_ids,
