@@ -7,6 +7,12 @@ prefix of a cached response, the rest of that response is a free draft; verifica
 * Cache: per prompt_key, the newest `max_per_prompt` responses (tokens + their logprobs + source).
   `observe(seq)` adds a finished response at once (its running siblings can follow it within the
   same step); `add(..., source="bubble")` inserts drafts pre-generated elsewhere (idle ranks).
+* Memory: at most `max_prompts` prompts, so max_prompts * max_per_prompt responses (default 1024 *
+  16); a cached token costs ~85 bytes with its logprob (Python int + float in lists). Eviction:
+  1. a prompt's oldest response, once it has more than `max_per_prompt`;
+  2. with more than `max_prompts` prompts: the least recently used prompt, all its responses (used:
+     a response added, or a sample of it drafted from the cache). To draft from one epoch's
+     rollouts in the next, max_prompts must cover the prompts of an epoch (LRU keeps none otherwise).
   A running sample keeps following an entry it already matches even after the entry leaves the
   cache (eviction only hides it from new matches), so history is not lost mid-step.
 * Choice: among entries that match the whole current completion, take the most common next token
@@ -41,18 +47,20 @@ class PriorRolloutDrafter(Drafter):
     sources = ("prior", "bubble")      # bubble drafts (rl/rollout.py) keep their own name and stats
     confident = True                   # from the cached response's logprobs, where it has them
 
-    def __init__(self, max_per_prompt: int = 16, lenience: float = 1.0):
+    def __init__(self, max_per_prompt: int = 16, lenience: float = 1.0, max_prompts: int = 1024):
         if max_per_prompt < 1:
             raise ValueError(f"PriorRolloutDrafter: max_per_prompt must be >= 1, got {max_per_prompt}")
+        if max_prompts < 1:
+            raise ValueError(f"PriorRolloutDrafter: max_prompts must be >= 1, got {max_prompts}")
         if not lenience >= 1.0:
             raise ValueError(f"PriorRolloutDrafter: lenience must be >= 1 (1 = exact), got {lenience}")
-        self.max_per_prompt, self.lenience = max_per_prompt, float(lenience)
+        self.max_per_prompt, self.lenience, self.max_prompts = max_per_prompt, float(lenience), max_prompts
         self.lossy = self.lenience > 1.0
         if self.lossy:
             warnings.warn(f"PriorRolloutDrafter(lenience={lenience}) is LOSSY: drafts are accepted with "
                           f"min(1, {lenience} * p_new / p_old), so rollouts no longer follow the policy exactly",
                           stacklevel=2)
-        self._cache: dict = {}                              # prompt_key -> deque[_Entry], oldest first
+        self._cache: dict = {}            # prompt_key -> deque[_Entry] (oldest first), least recently used first
         self._next_id = 0
         self._state: dict[int, tuple[int, int, list[_Entry]]] = {}   # seq_id -> (checked, next id, matches)
 
@@ -67,11 +75,13 @@ class PriorRolloutDrafter(Drafter):
             raise ValueError("add: source must be a non-empty name (e.g. 'prior' or 'bubble')")
         if not token_ids:
             return
-        entries = self._cache.setdefault(prompt_key, deque())
+        entries = self._cache[prompt_key] = self._cache.pop(prompt_key, None) or deque()   # moved last: LRU order
         entries.append(_Entry(token_ids, None if logprobs is None else list(logprobs), source, self._next_id))
         self._next_id += 1
         while len(entries) > self.max_per_prompt:
             entries.popleft()
+        while len(self._cache) > self.max_prompts:
+            del self._cache[next(iter(self._cache))]     # the least recently used prompt
 
     def observe(self, seq: Sequence) -> None:
         if not seq.bubble:      # bubble responses are shared with every rank as source "bubble" instead
@@ -86,7 +96,9 @@ class PriorRolloutDrafter(Drafter):
         if n > checked:
             new = seq.token_ids[P + checked:]
             found = [e for e in found if e.tokens[checked:n] == new]
-        entries = self._cache.get(seq.prompt_key, ())
+        entries = self._cache.pop(seq.prompt_key, None)
+        if entries:
+            self._cache[seq.prompt_key] = entries       # re-inserted last: the most recently used
         if entries and entries[-1].id >= seen:
             completion = seq.token_ids[P:]
             found += [e for e in entries if e.id >= seen and e.tokens[:n] == completion]

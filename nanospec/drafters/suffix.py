@@ -29,9 +29,19 @@ stays >= min_prob.
   whatever D. Inserting costs O(D) node visits per token, in Python, on every generated token.
 * Each node caches its most frequent child (`best`; on ties the one counted last, the most recent),
   kept on insert and recomputed when a removal lowers it, so a draft token is one attribute read.
-* History: `next_step()` (once per GRPO step) evicts responses older than `window` steps;
-  `max_nodes` caps each trie (oldest responses go first; then a running text stops growing and its
-  drafts match the context afresh, through suffix links, Aho-Corasick style).
+* History: `next_step()` (once per GRPO step) evicts responses older than `window` steps and the
+  tries of prompts idle that long.
+* Memory: a node costs ~105 bytes (measured, CPython 3.11), so `max_total_nodes` (4M: ~420 MiB)
+  caps all tries together, the global one included; `max_nodes` caps one prompt's trie and
+  `global_max_nodes` the global trie. What goes when a cap is hit, first to last:
+  1. a trie's responses older than `window` steps (at `next_step`);
+  2. over `max_nodes` (or `global_max_nodes`): that trie's oldest responses;
+  3. over `max_total_nodes`: whole prompt tries, least recently used first (used: a sample of the
+     prompt drafted or finished), but never the one in use nor one that a running sample writes its
+     text into (that text would go on growing, uncounted, in a dropped trie);
+  4. still over it: the oldest responses of the trie in use;
+  5. then a running text stops growing, and its drafts match the context afresh, through suffix
+     links, Aho-Corasick style.
 * A response is stored as prompt[-(D-1):] + response so paths that cross from the prompt into the
   answer (the start of a response) exist: a fresh sample's first draft is its siblings' opening.
 * `use_global` adds one shallow trie (`global_depth`) over all prompts' finished responses (Arctic's
@@ -220,10 +230,14 @@ class _Live:
 class SuffixDrafter(Drafter):
     name = "suffix"
     confident = True      # a draft token's confidence: its estimated probability after the path before it
+    # class defaults for a drafter unpickled from before the total cap (suffix_mlp's is pickled whole)
+    max_total_nodes, _nodes = 4_000_000, 0
 
     def __init__(self, depth: int = 12, window: int = 2, min_prob: float = 0.1, alpha: float = 4.0,
                  max_nodes: int = 100_000, use_global: bool = True, global_max_nodes: int = 500_000,
-                 global_depth: int = 4, own_prefix: bool = True, shrink: float = 5.0):
+                 global_depth: int = 4, own_prefix: bool = True, shrink: float = 5.0,
+                 max_total_nodes: int = 4_000_000):
+        least = max_nodes + (global_max_nodes if use_global else 0)
         for field, value, ok, want in [
                 ("depth", depth, depth >= 2, ">= 2"), ("window", window, window >= 1, ">= 1 (GRPO steps)"),
                 ("min_prob", min_prob, 0 <= min_prob <= 1, "in [0, 1]"), ("alpha", alpha, alpha > 0, "> 0"),
@@ -231,50 +245,89 @@ class SuffixDrafter(Drafter):
                 ("max_nodes", max_nodes, max_nodes >= depth, f">= depth ({depth})"),
                 ("global_depth", global_depth, global_depth >= 2, ">= 2"),
                 ("global_max_nodes", global_max_nodes, global_max_nodes >= global_depth,
-                 f">= global_depth ({global_depth})")]:
+                 f">= global_depth ({global_depth})"),
+                ("max_total_nodes", max_total_nodes, max_total_nodes >= least,
+                 f">= max_nodes + global_max_nodes ({least})")]:
             if not ok:
                 raise ValueError(f"SuffixDrafter: {field} must be {want}, got {value}")
         self.depth, self.window, self.min_prob, self.alpha = depth, window, min_prob, alpha
         self.max_nodes, self.global_max_nodes, self.own_prefix = max_nodes, global_max_nodes, own_prefix
-        self.shrink = shrink
+        self.shrink, self.max_total_nodes = shrink, max_total_nodes
         self.step = 0
-        self._trees: dict = {}                                 # prompt_key -> _Trie
+        self._nodes = 0                                        # in all tries: the global one too
+        self._trees: dict = {}                                 # prompt_key -> _Trie, least recently used first
         self._global = _Trie(global_depth) if use_global else None
         self._live: dict[int, _Live] = {}                      # seq_id -> its text in its prompt's trie
         self._match: dict[int, dict[str, tuple]] = {}          # seq_id -> slot -> (trie, version, len, node)
 
     def tree(self, seq: Sequence) -> _Trie:
-        """The trie of seq's prompt (made from the prompt on first use)."""
-        tree = self._trees.get(seq.prompt_key)
+        """The trie of seq's prompt (made from the prompt on first use), now the most recently used."""
+        tree = self._trees.pop(seq.prompt_key, None)    # re-inserted last: _trees stays in LRU order
         if tree is None:
-            tree = self._trees[seq.prompt_key] = _Trie(self.depth)
-            prompt = seq.prompt_token_ids
-            tree.insert(prompt, self.max_nodes)
+            tree, prompt = _Trie(self.depth), seq.prompt_token_ids
+            self._shrink(min(self.max_nodes, len(prompt) * self.depth))    # room for the prompt's substrings
+            tree.insert(prompt, min(self.max_nodes, self.max_total_nodes - self._nodes))
             tree.tail = prompt[-(self.depth - 1):]
+            self._nodes += tree.size
+        self._trees[seq.prompt_key] = tree
         tree.last_used = self.step
         return tree
 
+    def _shrink(self, need: int, keep: _Trie | None = None) -> None:
+        """Room for `need` more nodes under max_total_nodes: drop whole prompt tries, least recently
+        used first, but not `keep` nor a trie that running texts grow in (their nodes would escape
+        the count)."""
+        over = self._nodes + need - self.max_total_nodes
+        if over <= 0:
+            return
+        drop = []
+        for key, t in self._trees.items():      # least recently used first
+            if over <= 0:
+                break
+            if t is not keep and not t.live:
+                drop.append(key)
+                over -= t.size
+        for key in drop:
+            self._nodes -= self._trees.pop(key).size
+
+    def _room(self, trie: _Trie, need: int) -> bool:
+        """Make room for `need` more nodes in a prompt's trie (eviction steps 2-4 of the docstring)."""
+        while trie.texts and trie.size + need > self.max_nodes:
+            self._pop(trie)
+        self._shrink(need, trie)
+        while trie.texts and self._nodes + need > self.max_total_nodes:
+            self._pop(trie)
+        return trie.size + need <= self.max_nodes and self._nodes + need <= self.max_total_nodes
+
+    def _pop(self, trie: _Trie) -> None:
+        """Remove trie's oldest response."""
+        size = trie.size
+        trie.remove(trie.texts.popleft()[1])
+        self._nodes += trie.size - size
+
     def _evict(self, trie: _Trie, max_nodes: int) -> None:
         while trie.texts and (self.step - trie.texts[0][0] >= self.window or trie.size > max_nodes):
-            trie.remove(trie.texts.popleft()[1])
+            self._pop(trie)
 
     def _add(self, trie: _Trie, text: list[int], max_nodes: int) -> None:
         trie.texts.append((self.step, text))
+        size = trie.size
         trie.insert(text)
+        self._nodes += trie.size - size
         self._evict(trie, max_nodes)
 
     def _grow(self, st: _Live, tokens: list[int], capped: bool = True) -> None:
-        """Extend a running text by `tokens`; at the node cap the oldest responses make room, and
-        with none left the text stops growing (frozen: drafts then match the context afresh)."""
+        """Extend a running text by `tokens`; at a cap, older history makes room, and with none left
+        the text stops growing (frozen: drafts then match the context afresh)."""
         trie, text = st.trie, st.text
         for t in tokens:
-            while capped and trie.size + trie.depth > self.max_nodes and trie.texts:
-                trie.remove(trie.texts.popleft()[1])
-            if capped and trie.size + trie.depth > self.max_nodes:
+            if capped and not self._room(trie, trie.depth):
                 st.end = None
                 return
+            size = trie.size
             st.end = trie.extend(st.end, t)
             text.append(t)
+            self._nodes += trie.size - size
 
     def _context(self, seq: Sequence) -> tuple[_Trie, _Node]:
         """(seq's prompt trie, the node of the longest suffix of seq's tokens in it), after adding
@@ -307,6 +360,7 @@ class SuffixDrafter(Drafter):
             self._add(tree, tree.tail + resp, self.max_nodes)
         if self._global is not None and resp:
             self._add(self._global, resp, self.global_max_nodes)
+        self._room(tree, 0)
 
     def next_step(self) -> None:
         """One GRPO step passed: evict responses older than `window` steps and idle prompts' tries."""
@@ -317,6 +371,9 @@ class SuffixDrafter(Drafter):
                 del self._trees[key]
         if self._global is not None:
             self._evict(self._global, self.global_max_nodes)
+        # recount (a checkpoint from before max_total_nodes has no count), then fit the total cap
+        self._nodes = sum(t.size for t in self._trees.values()) + (self._global.size if self._global else 0)
+        self._shrink(0)
 
     def match(self, seq: Sequence, trie: _Trie) -> _Node:
         """The node of the longest suffix of seq's tokens in trie (walk on with trie.step); in its
@@ -355,6 +412,8 @@ class SuffixDrafter(Drafter):
     def free(self, seq: Sequence) -> None:
         st = self._live.pop(seq.seq_id, None)
         if st is not None:             # left without observe (aborted): its text leaves the trie
+            size = st.trie.size
             st.trie.remove(st.text)
             st.trie.live -= 1
+            self._nodes += st.trie.size - size
         self._match.pop(seq.seq_id, None)
