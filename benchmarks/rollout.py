@@ -137,7 +137,7 @@ def _row(name, steps, label, base_time):
                 draft_len_mean=_mean([m.get("draft_len_mean") for m in st]),
                 response_len_mean=_mean([m["response_len_mean"] for m in st]),
                 tokens_per_s=_mean([m["tokens_per_s"] for m in st]), drafter_acceptance=_acceptance(st),
-                time_rollout_per_step=[m["time_rollout"] for m in steps], lossy=False)
+                time_rollout_per_step=[m["time_rollout"] for m in steps], steps=steps, lossy=False)
 
 
 def _acceptance(steps) -> str:

@@ -369,6 +369,7 @@ class LLM:
             # a stop on an accepted draft drops the drafts after it: count only those before the stop,
             # so every verify step emits accepted + 1 tokens (mean_accepted_len), here and in the policy
             used = kept - 1 if kept <= n_acc else len(drafts[i])
+            s.num_forwards, s.num_drafted = s.num_forwards + 1, s.num_drafted + len(drafts[i])
             self._count(proposal.sources[i], used, min(n_acc, used),
                         proposal.confidence[i] if proposal.confidence else None)
             if not reason:

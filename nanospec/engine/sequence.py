@@ -64,6 +64,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.num_computed = 0                 # target KV valid for positions < num_computed
         self.num_draft_computed = 0           # same for a drafter with its own KV (self/draft model)
+        self.num_forwards = self.num_drafted = 0   # target forwards that emitted its tokens; drafts verified
         self.generator = generator            # per-request RNG (seeded requests); None = engine RNG
         # set by the RL rollout (rl/rollout.py), read by the draft controller and the prior drafter:
         self.predicted_len = 0.0              # predicted response length -> a length-class draft budget

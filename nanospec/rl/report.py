@@ -177,6 +177,36 @@ def plot_timeline(recs, out) -> str | None:
     return _save(fig, out)
 
 
+def plot_sim_timeline(measured: list[dict], simulated: list[dict], out: str) -> str:
+    """Measured vs simulated (`python -m nanospec.simulate --plot`) per-rank timelines of the same steps,
+    one panel each on one time axis: rollout busy, bubble (idle), train, weight sync. Both lists hold
+    metrics-like dicts (`rank_busy_time`, `rank_bubble_time`, `time_rollout`, `time_train`, ...)."""
+    if not measured or not simulated:
+        raise ValueError("plot_sim_timeline: expected non-empty measured and simulated step lists")
+    cats = {"rollout busy": "tab:blue", "bubble": "lightgray", "train": "tab:orange", "weight sync": "tab:purple"}
+    nr = max(len(_busy(r)) for r in measured + simulated)
+    fig = _figure(7, 1.0 * nr + 2.4)
+    axes = fig.subplots(2, 1, sharex=True)
+    for ax, (title, recs) in zip(axes, (("measured", measured), ("simulated", simulated))):
+        t0 = 0.0
+        for r in recs:
+            busy, (R, T, S, total) = _busy(r), _step_parts(r)
+            for i, b in enumerate(busy):
+                for c, (x, w) in (("rollout busy", (t0, b)), ("bubble", (t0 + b, R - b)), ("train", (t0 + R, T)),
+                                  ("weight sync", (t0 + R + T, S))):
+                    if w > 0:
+                        ax.broken_barh([(x, w)], (i - 0.4, 0.8), facecolors=cats[c])
+            t0 += total
+        ax.set_title(f"{title}: {len(recs)} steps, {t0:.2f} s", fontsize=9)
+        ax.set_yticks(range(nr), [f"rank {i}" for i in range(nr)])
+        ax.invert_yaxis()
+    axes[-1].set_xlabel("time (s)")
+    from matplotlib.patches import Patch
+    axes[-1].legend([Patch(color=c) for c in cats.values()], list(cats), fontsize=6, ncol=4, loc="upper center",
+                    bbox_to_anchor=(0.5, -0.35))
+    return _save(fig, out)
+
+
 def _line_panels(runs, panels, out, title):
     """runs: [(label, recs)]; panels: [(ylabel, [(key, legend)])]. Colour = key, linestyle = run.
     Returns (path or None, notes for panels that had no data)."""

@@ -175,7 +175,8 @@ class RolloutWorker:
             t_done = time.perf_counter()
             mine = dict(busy=t_busy - t0, bubble=t_done - t_busy, draft_time=t_draft, wall=t_done - t0,
                         stats=stats, policy=pstats, drafts=drafts,
-                        lengths={i: [s.num_completion_tokens for s in seqs] for i, seqs in groups})
+                        lengths={i: [s.num_completion_tokens for s in seqs] for i, seqs in groups},
+                        forwards={i: [(s.num_forwards, s.num_drafted) for s in seqs] for i, seqs in groups})
             ranks = dist.all_gather_object(mine, self.group)
             t_gathered = time.perf_counter()
         metrics = self._finish(problems, pred, assignment, ranks, t_gathered - t0)
@@ -246,14 +247,27 @@ class RolloutWorker:
                  bubble_draft_proposed=per["bubble"]["proposed"] if "bubble" in per else 0,
                  response_len_mean=sum(all_len) / max(len(all_len), 1),
                  response_len_p50=all_len[len(all_len) // 2] if all_len else 0, response_len_max=max(all_len, default=0),
-                 # the step's trace (nanospec.simulate replays it): every response length, group-major in
-                 # prompt order, and the rank each prompt ran on
-                 response_lens=[x for i in range(len(problems)) for x in lengths[i]],
-                 prompt_rank=[next(r for r, idx in enumerate(assignment) if i in idx) for i in range(len(problems))])
+                 **self._trace(problems, assignment, ranks))
         m.update(self._bubble_recovery(accepted))
         self.last_bubble = dict(tokens=sum(bub_tokens), draft_time=sum(r["draft_time"] for r in ranks),
                                 bubble_time=sum(r["bubble"] for r in ranks))
         return m
+
+    def _trace(self, problems, assignment, ranks: list[dict]) -> dict:
+        """The step as nanospec.simulate replays it: group-major in prompt order, every response's
+        length, target forwards and drafts verified; each prompt's length and rank; per-rank counters."""
+        fwd = {i: f for r in ranks for i, f in r["forwards"].items()}
+        lens = {i: ls for r in ranks for i, ls in r["lengths"].items()}
+        out = dict(response_lens=[x for i in range(len(problems)) for x in lens[i]],
+                   response_forwards=[f for i in range(len(problems)) for f, _ in fwd[i]],
+                   response_drafted=[d for i in range(len(problems)) for _, d in fwd[i]],
+                   prompt_lens=[len(self.prompt_ids(p)) for p in problems],
+                   prompt_rank=[next(r for r, idx in enumerate(assignment) if i in idx) for i in range(len(problems))])
+        for k in ("seq_forwards", "generated_tokens", "verify_steps", "proposed_tokens", "accepted_tokens"):
+            out[f"rank_{k}"] = [r["stats"].get(k, 0) for r in ranks]
+        if all("spec_on_frac" in r["policy"] for r in ranks):
+            out["rank_spec_on_frac"] = [r["policy"]["spec_on_frac"] for r in ranks]
+        return out
 
     def _merged_stats(self, ranks: list[dict]) -> tuple[dict, dict, dict]:
         """Engine counters summed over ranks (per drafter too) -> (metrics, sums, per-drafter sums);

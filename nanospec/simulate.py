@@ -1,0 +1,735 @@
+"""Projected GRPO step time, sync or async x AR or speculative, from a roofline of decode, verify and
+train, an event-driven replay of each rank's drain, and a nanospec run's measured traces.
+
+    python -m nanospec.simulate --run RUN_DIR                    # replay a run on this CPU (calibrated)
+    python -m nanospec.simulate --run bench_out/rollout.json --model runs/sft   # bench rows with `steps`
+    python -m nanospec.simulate --lengths gsm8k --acceptance 0.40 --model qwen3-8b --hardware h100 --dp 8
+
+Nothing here is a speedup: every number comes from the model's shape, the hardware and the trace.
+ * Roofline (Williams, Waterman & Patterson, CACM 2009): an engine step costs
+   max(FLOPs / achievable FLOP/s, bytes / achievable bandwidth) + host overhead. A decode step reads
+   every weight once and each sequence's KV once, so it is memory-bound at small B*Q; the weight read
+   is shared by all B*Q query tokens, so it turns compute-bound as B*Q grows. Verifying k drafts
+   costs about one decode step while memory-bound (why speculation pays on a GPU), ~(k+1) when not.
+ * Speculation (Leviathan et al. 2023, eq. 1): k drafts, each accepted with probability a, emit
+   E = (1 - a^(k+1)) / (1 - a) tokens per verify; a is inverted from the trace's accepted/proposed at
+   its draft length, per drafter and rank. Where the trace has each response's target forwards, each
+   row is replayed at its own rate (the long tail is where acceptance is worst).
+ * Drain: a rank's G responses per prompt (lengths from the trace) go through continuous batching;
+   sequences leave as they finish, so B shrinks, steps get cheaper and emit fewer tokens (the long
+   tail). Sync data parallel waits for the slowest rank; the others' wait is the bubble.
+ * Async, one-step off-policy (staleness 1). Split (NeMo-RL's async GRPO; arXiv:2604.26779 projects
+   2.5x end-to-end at 235B from speculation + async with its own simulator): a generation group rolls
+   out step t+1 while the other ranks train step t, then broadcast the weights over the interconnect:
+   steady state max(rollout, train + weight sync), not their sum. Same ranks (nanospec's
+   grpo.max_staleness: 1): each device time-shares the two, which removes only the bubble.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import re
+import sys
+from collections import deque
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+
+# ---- hardware -------------------------------------------------------------------------------------
+@dataclass
+class Hardware:
+    name: str
+    flops: float                      # peak dense FLOP/s at the engine's dtype
+    mem_bw: float                     # device memory bytes/s
+    interconnect_bw: float            # bytes/s per device, both directions (a data sheet's NVLink figure)
+    step_overhead_s: float = 0.0      # per engine step: scheduling, sampling, launches, host sync
+    seq_overhead_s: float = 0.0       # per sequence per engine step (host work per row)
+    verify_overhead_s: float = 0.0    # once per step that verifies any draft (ragged packing, rejection sampler)
+    flops_eff: float = 1.0            # achievable fraction of peak FLOP/s in decode / verify GEMMs
+    bw_eff: float = 1.0               # achievable fraction of peak bandwidth
+    train_mfu: float = 1.0            # achievable fraction of peak FLOP/s in the trainer's forward + backward
+    train_overhead_s: float = 0.0     # per optimizer step outside the FLOPs (rewards, batching, launches)
+    draft_seq_s: float = 0.0          # a history drafter's host time per drafting row per step
+
+
+# Peak numbers from NVIDIA's public data sheets (H100 SXM5 / H200 SXM: dense BF16 989 TFLOP/s without
+# sparsity, HBM3 3.35 TB/s / HBM3e 4.8 TB/s, NVLink 4 900 GB/s). The rest are assumptions, not
+# data-sheet numbers: 80% of HBM bandwidth in decode GEMVs, 60% of peak in verify GEMMs, 40% MFU in
+# training, 1 ms of host time per engine step (CUDA graphs on), and 20 us of host time per drafting
+# row for a history drafter (suffix: 14-42 us per row-step on the 2-core box, docs/results.md).
+_GPU = dict(step_overhead_s=1e-3, flops_eff=0.6, bw_eff=0.8, train_mfu=0.4, draft_seq_s=2e-5)
+PRESETS = {"h100": Hardware("h100", 989e12, 3.35e12, 900e9, **_GPU),
+           "h200": Hardware("h200", 989e12, 4.8e12, 900e9, **_GPU)}
+
+
+# ---- model shape ----------------------------------------------------------------------------------
+@dataclass
+class ModelShape:
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    vocab: int
+    tied: bool
+    dtype_bytes: int = 2
+
+    @property
+    def matmul_params(self) -> int:   # per layer: q, k, v, o + SwiGLU gate, up, down; + the LM head
+        return self.layers * (self.hidden * self.head_dim * 2 * (self.heads + self.kv_heads)
+                               + 3 * self.hidden * self.ffn) + self.vocab * self.hidden
+
+    @property
+    def params(self) -> int:          # + the input embedding when it is not the LM head
+        return self.matmul_params + (0 if self.tied else self.vocab * self.hidden)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
+
+    @property
+    def attn_flops_per_pair(self) -> int:   # one (query, key) pair: q.k and p*v, 2 FLOPs per MAC
+        return 4 * self.layers * self.heads * self.head_dim
+
+    @classmethod
+    def from_config(cls, cfg: dict, where: str, dtype: str | None = None) -> "ModelShape":
+        for k in ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size"):
+            if k not in cfg:
+                raise ValueError(f"{where}: missing key {k!r}")
+        H = cfg["num_attention_heads"]
+        dtype = dtype or cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"
+        return cls(cfg.get("_name_or_path") or Path(where).parent.name or where, cfg["num_hidden_layers"],
+                   cfg["hidden_size"], H, cfg.get("num_key_value_heads") or H,
+                   cfg.get("head_dim") or cfg["hidden_size"] // H, cfg["intermediate_size"], cfg["vocab_size"],
+                   cfg.get("tie_word_embeddings", cfg.get("model_type") != "llama"),
+                   _dtype_bytes(dtype, where))
+
+
+def _dtype_bytes(dtype: str, where: str) -> int:
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"{where}: dtype {dtype!r}: expected float32, bfloat16 or float16")
+    return 4 if dtype == "float32" else 2
+
+
+# config.json values of public checkpoints (Qwen/Qwen3-8B, meta-llama/Llama-3.1-8B)
+MODELS = {"qwen3-8b": dict(model_type="qwen3", num_hidden_layers=36, hidden_size=4096, num_attention_heads=32,
+                           num_key_value_heads=8, head_dim=128, intermediate_size=12288, vocab_size=151936,
+                           tie_word_embeddings=False, torch_dtype="bfloat16", _name_or_path="qwen3-8b"),
+          "llama3-8b": dict(model_type="llama", num_hidden_layers=32, hidden_size=4096, num_attention_heads=32,
+                            num_key_value_heads=8, intermediate_size=14336, vocab_size=128256,
+                            tie_word_embeddings=False, torch_dtype="bfloat16", _name_or_path="llama3-8b")}
+
+
+def load_model_config(spec: str) -> tuple[dict, str]:
+    """A preset name, a config.json, or a model directory holding one -> (config dict, where)."""
+    if spec in MODELS:
+        return MODELS[spec], spec
+    path = Path(spec) / "config.json" if Path(spec).is_dir() else Path(spec)
+    if not path.is_file():
+        raise ValueError(f"--model: {spec}: not a preset ({', '.join(MODELS)}), config.json or model directory")
+    return json.loads(path.read_text()), str(path)
+
+
+@dataclass
+class Layout:
+    dp: int = 1                # data-parallel ranks (model replicas)
+    tp: int = 1                # tensor-parallel devices per replica
+    gen_dp: int | None = None  # async: ranks that generate (the rest train); None = the best split
+    max_seqs: int = 256        # per engine: running sequences (vLLM's max_num_seqs)
+    block_size: int = 16       # KV block: prefix caching shares a prompt's full blocks
+
+
+# ---- roofline ----------------------------------------------------------------------------------------
+def step_time(hw: Hardware, m: ModelShape, tp: int, rows: float, tokens: float, kv_read: float, pairs: float,
+              verify: float = 0.0) -> float:
+    """Seconds of one engine forward: `rows` sequences feed `tokens` query tokens (B*Q), read `kv_read`
+    cached tokens (sum of contexts) and score `pairs` (query, key) pairs.
+        FLOPs = 2 * matmul_params * tokens + attn_flops_per_pair * pairs
+        bytes = weights + (kv_read + tokens) * kv_bytes_per_token            (KV reads + writes)
+    TP splits both over tp devices and adds 2 activation all-reduces per layer (ring: 2(tp-1)/tp)."""
+    compute = (2 * m.matmul_params * tokens + m.attn_flops_per_pair * pairs) / (tp * hw.flops * hw.flops_eff)
+    nbytes = m.matmul_params * m.dtype_bytes + (kv_read + tokens) * m.kv_bytes_per_token
+    memory = nbytes / (tp * hw.mem_bw * hw.bw_eff)
+    comm = 2 * m.layers * tokens * m.hidden * m.dtype_bytes * 2 * (tp - 1) / tp / (hw.interconnect_bw / 2)
+    return max(compute, memory) + comm + hw.step_overhead_s + hw.seq_overhead_s * rows + hw.verify_overhead_s * verify
+
+
+def train_time(hw: Hardware, m: ModelShape, seqs_per_rank: list[list[tuple[int, int]]], ref_model: bool) -> float:
+    """One optimizer step on len(seqs_per_rank) ranks, each over its (prompt, response) lengths:
+        FLOPs per sequence of S tokens = 6 * matmul_params * S (forward + backward)
+              + 3 * attn_flops_per_pair * S^2 / 2 (causal attention) + 2 * vocab * hidden * response
+              (the checkpointed LM-head chunks are recomputed) [+ 2 * matmul_params * S: reference model]
+    at train_mfu of peak; then the fp32 gradient ring all-reduce (2 (n-1)/n * 4 * params bytes over one
+    direction of the interconnect) and AdamW (reads param, grad, m, v; writes param, m, v: 28 bytes/param)."""
+    def flops(p, L):
+        S = p + L
+        return ((6 + 2 * ref_model) * m.matmul_params * S + 1.5 * m.attn_flops_per_pair * S * S
+                + 2 * m.vocab * m.hidden * L)
+    n = len(seqs_per_rank)
+    compute = max(sum(flops(p, L) for p, L in seqs) for seqs in seqs_per_rank) / (hw.flops * hw.train_mfu)
+    allreduce = 2 * (n - 1) / n * 4 * m.params / (hw.interconnect_bw / 2)
+    return compute + allreduce + 28 * m.params / (hw.mem_bw * hw.bw_eff) + hw.train_overhead_s
+
+
+def weight_sync_time(hw: Hardware, m: ModelShape, colocated: bool) -> float:
+    """Colocated (sync): the engine copies the trainer's weights in device memory (read + write).
+    Disaggregated (async): the weights are broadcast to the generation group over one direction of
+    the interconnect (a pipelined broadcast costs about one transfer)."""
+    nbytes = m.params * m.dtype_bytes
+    return 2 * nbytes / (hw.mem_bw * hw.bw_eff) if colocated else nbytes / (hw.interconnect_bw / 2)
+
+
+# ---- speculation --------------------------------------------------------------------------------------
+def leviathan(a: float, k: float) -> float:
+    """Expected tokens per verify of k drafts at per-token acceptance a (Leviathan et al., eq. 1)."""
+    return k + 1.0 if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
+
+
+def alpha_from_rate(rate: float, k: float) -> float:
+    """The per-token acceptance a whose expected accepted/proposed at draft length k is `rate`
+    ((E(a, k) - 1) / k, increasing in a): bisection."""
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if (leviathan(mid, k) - 1) / k < rate else (lo, mid)
+    return lo
+
+
+@dataclass
+class Spec:
+    """How decode rows speculate. Spec() is AR. `drafters`: [(share of row-forwards that verify with it,
+    draft length k, acceptance a)], replayed as measured; `on`: share of engine steps that verify.
+    best_k > 0: every row drafts the k in 0..best_k that maximises tokens per second at this step's
+    B and C (an adaptive controller) with acceptance `drafters[0]`'s a."""
+    drafters: tuple = ()
+    on: float = 0.0
+    best_k: int = 0
+
+    def replay_q(self) -> float:
+        """Query tokens per row of a replayed trace (1 + drafts per row-forward); 1 when choosing k."""
+        return 1.0 if self.best_k else 1.0 + sum(f * k for f, k, _ in self.drafters)
+
+    def choose(self, cost) -> tuple[float, float, float]:
+        """cost(q, verify) -> seconds; returns (query tokens per row, tokens emitted per row, verify share)."""
+        if self.best_k:
+            a = self.drafters[0][2]
+            return max(((1.0 + k, leviathan(a, k), float(k > 0)) for k in range(self.best_k + 1)),
+                       key=lambda o: o[1] / cost(o[0], o[2]))
+        return self.replay_q(), 1.0 + sum(f * (leviathan(a, k) - 1.0) for f, k, a in self.drafters), self.on
+
+
+def spec_from_metrics(r: dict) -> Spec:
+    """The trace's speculation: per drafter d, share = verify_steps_d / seq_forwards, k = proposed_d /
+    verify_steps_d, a from accepted_d / proposed_d at that k."""
+    rows = max(r["seq_forwards"], 1)
+    ds = []
+    for key in sorted(k for k in r if k.startswith("drafter/") and k.endswith("/verify_steps")):
+        name = key.split("/")[1]
+        v, prop, acc = r[key], r.get(f"drafter/{name}/proposed", 0), r.get(f"drafter/{name}/accepted", 0)
+        if v and prop:
+            k = prop / v
+            ds.append((v / rows, k, alpha_from_rate(acc / prop, k)))
+    return Spec(tuple(ds), r.get("spec_on_frac", 1.0 if ds else 0.0))
+
+
+RANK_KEYS = ("rank_seq_forwards", "rank_verify_steps", "rank_proposed_tokens", "rank_accepted_tokens")
+
+
+def rank_specs(r: dict) -> list[Spec] | None:
+    """Per-rank speculation where the trace has the counters per rank (each rank's drafters merged):
+    ranks draft differently (a revisited prompt has a prior rollout to draft from, a new one not)."""
+    if not all(isinstance(r.get(k), list) for k in RANK_KEYS):
+        return None
+    on = r.get("rank_spec_on_frac") if "spec_on_frac" in r else None     # no controller: every step drafts
+    return [Spec(((v / max(s, 1), p / v, alpha_from_rate(a / p, p / v)),) if v and p else (),
+                 on[i] if on else float(bool(v)))
+            for i, (s, v, p, a) in enumerate(zip(*(r[k] for k in RANK_KEYS)))]
+
+
+# ---- drain (event-driven) ---------------------------------------------------------------------------
+def drain(hw: Hardware, m: ModelShape, lay: Layout, groups: list, spec: Spec,
+          rates: list | None = None) -> tuple[float, list]:
+    """One rank's rollout. groups: [(prompt_len, [response lengths])], admitted in order. As
+    engine/scheduler.py: a prefill step whenever a waiting sequence fits (max_seqs running), else a
+    decode step over every running one. Prefix caching: a group's other samples reuse the prompt's
+    full KV blocks and compute the rest (at least its last token); the prefill samples each
+    sequence's first token (a replayed row: its tokens per forward). A decode step moves
+    every row by its tokens per step (1 for AR; `spec`'s expectation; or, with `rates` [per group:
+    [(tokens per decode step, query tokens per step)] per sample], each row's own measured rate);
+    a row is done when its response is. -> (seconds, [(start, seconds, B)] per step)."""
+    tp, max_seqs, bs = lay.tp, lay.max_seqs, lay.block_size
+    cached = lambda p: min(bs * (p // bs), p - 1)       # prompt tokens a group's later samples reuse
+    waiting = deque((p, L, j == 0, rates[g][j] if rates else None)
+                    for g, (p, ls) in enumerate(groups) for j, L in enumerate(ls))
+    rem, ctx, rate, t, steps = [], [], [], 0.0, []
+    while waiting or rem:
+        if waiting and len(rem) < max_seqs:
+            new = [waiting.popleft() for _ in range(min(len(waiting), max_seqs - len(rem)))]
+            # speculative prefill (engine/llm.py): a replayed row's drafts ride in its prefill too
+            drafts = sum((r[1] if r else spec.replay_q()) - 1.0 for *_, r in new)
+            toks = sum(p if first else p - cached(p) for p, _, first, _ in new) + drafts
+            pairs = sum(p * p / 2 if first else (p - cached(p)) * p for p, _, first, _ in new)
+            kv = sum(0 if first else cached(p) for p, _, first, _ in new)
+            dt = step_time(hw, m, tp, len(new), toks, kv, pairs, drafts > 0)
+            rem += [L - (r[0] if r else 1.0) for _, L, _, r in new]
+            ctx += [p + 1.0 for p, *_ in new]
+            rate += [r for *_, r in new]
+        else:
+            B = len(rem)
+            if rates:                          # each row at its own measured rate
+                qs, taus, v = [q for _, q in rate], [tau for tau, _ in rate], spec.on
+                dt = (step_time(hw, m, tp, B, sum(qs), sum(ctx), sum(q * (c + q / 2) for q, c in zip(qs, ctx)), v)
+                      + hw.draft_seq_s * B * v)
+            else:
+                C = sum(ctx) / B
+                cost = lambda q, v: (step_time(hw, m, tp, B, B * q, B * C, B * q * (C + q / 2), v)
+                                     + hw.draft_seq_s * B * v)
+                q, tau, v = spec.choose(cost)
+                dt, taus = cost(q, v), [tau] * B
+            rem, ctx = [x - u for x, u in zip(rem, taus)], [c + u for c, u in zip(ctx, taus)]
+        steps.append((t, dt, len(rem)))
+        t += dt
+        keep = [i for i, x in enumerate(rem) if x > 1e-9]
+        rem, ctx, rate = [rem[i] for i in keep], [ctx[i] for i in keep], [rate[i] for i in keep]
+    return t, steps
+
+
+# ---- traces ---------------------------------------------------------------------------------------------
+TRACE_KEYS = ("response_lens", "prompt_rank", "seq_forwards", "generated_tokens", "verify_steps",
+              "proposed_tokens", "accepted_tokens")
+
+
+def check_step(r: dict, where: str, prompt_len: float | None) -> dict:
+    """A metrics line -> {groups per prompt, prompt lens, ranks, spec}; ValueError naming file and key."""
+    for k in TRACE_KEYS + (() if prompt_len else ("prompt_lens",)):
+        if k not in r:
+            hint = " (or pass --prompt-len)" if k == "prompt_lens" else ""
+            raise ValueError(f"{where}: step {r.get('step', '?')}: missing key {k!r}{hint}")
+    P, lens = len(r["prompt_rank"]), r["response_lens"]
+    if not P or len(lens) % P:
+        raise ValueError(f"{where}: step {r.get('step')}: 'response_lens' ({len(lens)}) is not G per prompt of "
+                         f"'prompt_rank' ({P})")
+    G = len(lens) // P
+    plens = r.get("prompt_lens") or [prompt_len] * P
+    rates = None
+    if isinstance(r.get("response_forwards"), list) and isinstance(r.get("response_drafted"), list):
+        # each response's own rate over its target forwards (its prefill's included: drafts ride there
+        # too), so it takes exactly its measured number of forwards: tokens and query tokens per forward
+        rows = [(L / max(f, 1), 1 + d / max(f, 1))
+                for L, f, d in zip(lens, r["response_forwards"], r["response_drafted"])]
+        rates = [rows[i * G:(i + 1) * G] for i in range(P)]
+    return dict(step=r.get("step"), groups=[(plens[i], lens[i * G:(i + 1) * G]) for i in range(P)],
+                ranks=r["prompt_rank"], spec=spec_from_metrics(r), rank_specs=rank_specs(r), rates=rates,
+                measured=r)
+
+
+def read_run(path: str, prompt_len: float | None) -> tuple[list[dict], dict]:
+    """RUN_DIR (metrics.jsonl + config.yaml) or a bench JSON whose rows keep their `steps` ->
+    ([(label, [step traces])]..., config dict)."""
+    p = Path(path)
+    if p.is_dir():
+        f = p / "metrics.jsonl"
+        if not f.is_file():
+            raise ValueError(f"{f}: metrics file not found")
+        import yaml
+        cfg = yaml.safe_load((p / "config.yaml").read_text()) if (p / "config.yaml").is_file() else {}
+        recs = []
+        for i, ln in enumerate(f.read_text().splitlines(), 1):
+            try:
+                recs += [json.loads(ln)] if ln.strip() else []
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{f}: line {i}: invalid JSON ({e.msg})") from None
+        return [(p.name, [check_step(r, str(f), prompt_len) for r in recs])], cfg
+    if not p.is_file():
+        raise ValueError(f"--run: {path}: neither a run directory nor a bench JSON file")
+    rows = json.loads(p.read_text()).get("rows", [])
+    out = []
+    for row in rows:
+        if "steps" not in row:
+            raise ValueError(f"{path}: row {row.get('name')!r}: missing key 'steps' (the bench's per-step metrics)")
+        out.append((row["name"], [check_step(r, f"{path}: row {row['name']!r}", prompt_len) for r in row["steps"]]))
+    return out, {}
+
+
+def gsm8k_trace(path: str, prompts: int, G: int, steps: int, spec: Spec, scale: float = 1.0) -> list[dict]:
+    """GSM8K-like steps: reference solutions (calculator annotations removed) as response lengths and
+    questions as prompts, counted in word pieces: a digit, a word or a punctuation mark is one token
+    (0.88x SmolLM2's BPE count on GSM8K train answers). Prompts in file order, G consecutive answers
+    per group (lengths drawn from the data, not from one question), ranks filled by the layout;
+    `scale` stretches every response (reasoning models write longer solutions than the references)."""
+    piece = re.compile(r"\d|[A-Za-z]+|[^\sA-Za-z\d]")
+    rows = [json.loads(ln) for ln in Path(path).read_text().splitlines() if ln.strip()]
+    n = lambda s: len(piece.findall(s))
+    ans = [round(scale * n(re.sub(r"<<[^>]*>>", "", r["answer"]))) + 1 for r in rows]      # + eos
+    out = []
+    for s in range(steps):
+        base = s * prompts
+        groups = [(n(rows[(base + i) % len(rows)]["question"]),
+                   [ans[((base + i) * G + j) % len(ans)] for j in range(G)]) for i in range(prompts)]
+        out.append(dict(step=s, groups=groups, ranks=None, spec=spec, measured={}))
+    return out
+
+
+# ---- one step, a run ---------------------------------------------------------------------------------------
+def rank_of(st: dict, ranks: int) -> list[int]:
+    """Each prompt's rank: the trace's where it ran on as many ranks, else a contiguous split."""
+    P, own = len(st["groups"]), st["ranks"]
+    return own if own and max(own) + 1 == ranks else [i * ranks // P for i in range(P)]
+
+
+def rollout(hw, m, lay, st, ranks: int, spec: Spec) -> dict:
+    """Every rank drains its prompts; the trace's own speculation is replayed per rank and per row."""
+    where = rank_of(st, ranks)
+    replay = where is st["ranks"] and spec is st["spec"]
+    per_rank, rates = (st.get("rank_specs"), st.get("rates")) if replay else (None, None)
+    runs = [drain(hw, m, lay, [g for g, r in zip(st["groups"], where) if r == k],
+                  per_rank[k] if per_rank and k < len(per_rank) else spec,
+                  [x for x, r in zip(rates, where) if r == k] if rates else None) for k in range(ranks)]
+    busy = [t for t, _ in runs]
+    return dict(busy=busy, time=max(busy), bubble=[max(busy) - b for b in busy], steps=[s for _, s in runs])
+
+
+def simulate(trace: list[dict], hw: Hardware, m: ModelShape, lay: Layout, spec_mode: str,
+             ref_model: bool = False) -> dict:
+    """spec_mode: "ar" (every response decoded token by token) or "spec" (the trace's speculation).
+    -> per-step sync timings and the sync / async per-step means."""
+    sync, dp = [], lay.dp
+    spec = lambda st: Spec() if spec_mode == "ar" else st["spec"]
+    seqs = lambda st: [(p, L) for p, ls in st["groups"] for L in ls]
+    for st in trace:
+        ro = rollout(hw, m, lay, st, dp, spec(st))
+        share = [[(p, L) for (p, ls), r in zip(st["groups"], rank_of(st, dp)) if r == k for L in ls] for k in range(dp)]
+        T, S = train_time(hw, m, share, ref_model) / lay.tp, weight_sync_time(hw, m, colocated=True)
+        sync.append(dict(step=st["step"], time_rollout=ro["time"], time_train=T, time_weight_sync=S,
+                         time_step=ro["time"] + T + S, rank_busy_time=ro["busy"], rank_bubble_time=ro["bubble"],
+                         engine_steps=ro["steps"]))
+    keys = ("time_rollout", "time_train", "time_weight_sync", "time_step")
+    out = dict(sync=sync, sync_mean={k: _mean([s[k] for s in sync]) for k in keys})
+    if dp > 1:
+        out["async"] = min((async_pipeline(trace, hw, m, lay, g, spec, seqs, ref_model)
+                            for g in ([lay.gen_dp] if lay.gen_dp else range(1, dp))), key=lambda a: a["time_step"])
+    # async on the same ranks (nanospec's grpo.max_staleness: 1, a rollout thread beside the trainer):
+    # each device time-shares rollout t+1 with training t, so per step it does busy_r(t+1) + train(t);
+    # the pipeline removes the bubble (idle waiting), never work: max_r(busy_r(t+1) + T(t)) + S
+    nxt = sync[1:] or sync
+    shared = [max(b + s["time_train"] for b in n["rank_busy_time"]) + s["time_weight_sync"] for s, n in zip(sync, nxt)]
+    out["async_shared"] = dict(out["sync_mean"], time_step=_mean(shared), gen_ranks=dp, train_ranks=dp)
+    return out
+
+
+def async_pipeline(trace, hw, m, lay, gen, spec, seqs, ref_model) -> dict:
+    """`gen` ranks generate, dp - gen train. Rollout t+1 starts when rollout t ends and weights of step
+    t-1 have arrived; training t starts when rollout t and training t-1 are done:
+        roll_end[t] = max(roll_end[t-1], sync_end[t-2]) + R_t;  sync_end[t] = max(roll_end[t], sync_end[t-1]) + T_t + S
+    Per-step time = the pace of sync_end in steady state: ~ max(R, T + S)."""
+    S = weight_sync_time(hw, m, colocated=False)
+    roll, done, R, T = [], [], [], []
+    for t, st in enumerate(trace):
+        R.append(rollout(hw, m, lay, st, gen, spec(st))["time"])
+        all_seqs, n = seqs(st), lay.dp - gen
+        T.append(train_time(hw, m, [all_seqs[k::n] for k in range(n)], ref_model) / lay.tp)
+        roll.append(max(roll[-1] if roll else 0.0, done[t - 2] if t >= 2 else 0.0) + R[-1])
+        done.append(max(roll[-1], done[-1] if done else 0.0) + T[-1] + S)
+    pace = (done[-1] - done[0]) / (len(done) - 1) if len(done) > 1 else done[0]
+    return dict(gen_ranks=gen, train_ranks=lay.dp - gen, time_rollout=_mean(R), time_train=_mean(T),
+                time_weight_sync=S, time_step=pace)
+
+
+def _mean(xs):
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
+# ---- the CPU preset, calibrated here --------------------------------------------------------------------------
+def cpu_preset(cfg: dict, threads: int = 1, where: str = "config.json", ranks: int = 1) -> Hardware:
+    """This CPU, fitted to nanospec's own engine and trainer on a randomly initialised model of this
+    shape, `ranks` processes calibrating at once as a run's ranks run (they share caches and memory
+    bandwidth), cached on disk like engine/latency.py's profiles (keyed by shape, threads, ranks, CPU
+    and torch version). Calibrate on an idle machine: another busy process doubles every time here."""
+    import multiprocessing
+    import platform
+    import torch
+    from nanospec.models.hub import cache_dir
+    info = Path("/proc/cpuinfo")
+    cpu = next((ln.split(":", 1)[1].strip() for ln in info.read_text().splitlines() if ln.startswith("model name")),
+               platform.processor()) if info.is_file() else platform.processor()
+    key = json.dumps([cfg, threads, ranks, cpu, os.cpu_count(), torch.__version__, 3], sort_keys=True, default=str)
+    path = cache_dir() / "profiles" / f"sim_cpu_{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+    if path.is_file():
+        return Hardware(**json.loads(path.read_text()))
+    print(f"simulate: calibrating this CPU ({ranks} process(es) x {threads} thread(s), ~1 min; cached in {path})")
+    ctx = multiprocessing.get_context("spawn")
+    queue, barrier = ctx.Queue(), ctx.Barrier(ranks)
+    procs = [ctx.Process(target=_calibrate_rank, args=(cfg, threads, where, barrier, queue)) for _ in range(ranks)]
+    for p in procs:
+        p.start()
+    fits = [queue.get(timeout=1800) for _ in procs]
+    for p in procs:
+        p.join()
+    med = lambda xs: sorted(xs)[len(xs) // 2]
+    hw = Hardware(f"cpu x{ranks}", *(med([f[k] for f in fits]) for k in list(fits[0])[1:]))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(asdict(hw)))
+    return hw
+
+
+def _calibrate_rank(cfg, threads, where, barrier, queue) -> None:
+    queue.put(asdict(calibrate_cpu(cfg, threads, where, barrier.wait)))
+
+
+def calibrate_cpu(cfg: dict, threads: int, where: str, sync=lambda: None) -> Hardware:
+    """Fit Hardware to this CPU with nanospec's own code on a random model of this shape (fp32, one
+    process, `threads` torch threads; ~1 min, then cached by `cpu_preset`):
+      1. LLM.time_forward over a (B, C, Q) grid -> flops, mem_bw and the forward's own overheads
+         (least squares on log time: every batch size counts alike);
+      2. engine steps of GRPO-like drains (the trainer's drafters and controller): greedy AR, then
+         verify steps whose drafts are all accepted -> host time per step and per row beyond the
+         forward; a verify step's extra and drafting per row;
+      3. trainer steps (grpo.completion_logprobs over micro_batches, backward, AdamW) on varied
+         lengths -> train_mfu, train_overhead_s; a tensor copy -> interconnect_bw (ranks on one host
+         exchange through its memory)."""
+    import time
+    import numpy as np
+    import torch
+    from scipy.optimize import least_squares, nnls
+    from nanospec.config import SpeculationConfig
+    from nanospec.engine.llm import LLM
+    from nanospec.engine.sequence import SamplingParams
+    from nanospec.models.decoder import CausalLM, ModelArgs
+    from nanospec.rl.grpo import completion_logprobs, make_microbatch, micro_batches
+    from nanospec.rl.rollout import Sample
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    m = ModelShape.from_config(cfg, where, "float32")
+    args = ModelArgs.from_hf(dict(cfg, model_type=cfg.get("model_type", "llama")), where)
+    maxlen = min(args.max_position_embeddings, 256)
+    llm = LLM(CausalLM(args).eval(), None, max_num_seqs=64, max_model_len=maxlen, controller=SpeculationConfig(),
+              speculative=[{"method": "prior", "num_draft_tokens": 8}, {"method": "suffix", "num_draft_tokens": 8}])
+    med = lambda f, n=3: float(np.median([f() for _ in range(n)]))
+    grid = [(B, C, Q) for B in (1, 4, 16, 64) for C in (16, 64, maxlen // 2) for Q in (1, 3, 9)]
+    llm.time_forward(8, 16, 1)                                                         # warm-up
+    sync()                                     # every calibrating process starts each phase together
+    fwd = [(B, C, Q, med(lambda: llm.time_forward(B, C, Q))) for B, C, Q in grid]
+    hw_of = lambda x: Hardware("cpu", *np.exp(x[:2]), 1.0, *np.exp(x[2:5]))
+    pred = lambda hw, B, C, Q: step_time(hw, m, 1, B, B * Q, B * C, B * Q * (C + Q / 2), Q > 1)
+    x = least_squares(lambda x: [math.log(pred(hw_of(x), B, C, Q) / t) for B, C, Q, t in fwd],
+                      np.log([1e10, 1e10, 1e-3, 1e-5, 1e-4])).x
+    hw = hw_of(x)
+
+    def drain_steps(spec: bool, seed: int) -> list:      # [(B, C, Q, seconds)] of decode steps
+        """A GRPO-like drain: 8 prompts (6-48 tokens) x 8 greedy samples, each stopping at a log-uniform
+        4-128 tokens, so B shrinks and C grows as in a rollout: every step meets a new shape (oneDNN
+        builds kernels per shape: ~1.5 ms a step here, which repeated-shape timings would miss)."""
+        llm.speculate = spec
+        g = torch.Generator().manual_seed(seed)
+        rnd = lambda lo, hi: int(torch.randint(lo, hi, (1,), generator=g))
+        for i in range(8):
+            ids = torch.randint(3, args.vocab_size, (rnd(6, 48),), generator=g).tolist()
+            for j in range(8):
+                T = int(4 * 32 ** float(torch.rand(1, generator=g)))
+                llm.add_request(ids, SamplingParams(temperature=0.0, max_tokens=T), 8 * i + j, ("cal", seed, i, j))
+        out = []
+        while llm.scheduler.has_work():
+            rows, prefill = list(llm.scheduler.running), bool(llm.scheduler.waiting)
+            before, t0 = llm.stats["generated_tokens"], time.perf_counter()
+            llm.step()
+            if not prefill and rows:
+                C = sum(len(s) - 1 for s in rows) / len(rows)
+                Q = (llm.stats["generated_tokens"] - before) / len(rows)   # all drafts accepted: Q = emitted
+                out.append((len(rows), C, Q, time.perf_counter() - t0))
+        return out
+    sync()
+    fit = lambda X, y, t: nnls(np.array(X) / np.array(t)[:, None], np.array(y) / np.array(t))[0]
+    ar = [s for seed in (1, 2) for s in drain_steps(False, seed)]
+    a, b = fit([[1.0, B] for B, *_ in ar], [t - pred(hw, B, C, 1) for B, C, _, t in ar], [s[3] for s in ar])
+    hw = replace(hw, step_overhead_s=hw.step_overhead_s + a, seq_overhead_s=hw.seq_overhead_s + b)
+    for seed in (3, 4):
+        drain_steps(True, seed)                    # the drafters learn these (greedy) responses ...
+    ver = [s for seed in (3, 4) for s in drain_steps(True, seed) if s[2] > 1]     # ... and draft them, all accepted
+    c, d = fit([[1.0, B] for B, *_ in ver], [t - pred(hw, B, C, Q) for B, C, Q, t in ver], [s[3] for s in ver])
+    hw = replace(hw, verify_overhead_s=hw.verify_overhead_s + c, draft_seq_s=d)
+
+    policy = CausalLM(args).train()
+    opt = torch.optim.AdamW(policy.parameters(), lr=1e-6)
+
+    def train_step(n: int, seed: int) -> tuple[list, float]:
+        """n samples of 8 per prompt (prompts 6-48 tokens, responses log-uniform 2-128): varied shapes."""
+        g = torch.Generator().manual_seed(seed)
+        rnd = lambda lo, hi: int(torch.randint(lo, hi, (1,), generator=g))
+        plen = [rnd(6, 48) for _ in range(n // 8)]
+        lens = [(plen[i // 8], int(2 * 64 ** float(torch.rand(1, generator=g)))) for i in range(n)]
+        samples = [Sample(None, i, [5] * p, [7] * L, [0.0] * L, [False] * L, "length") for i, (p, L) in enumerate(lens)]
+        t0 = time.perf_counter()
+        for idx in micro_batches(samples, 1):
+            mb = make_microbatch([samples[i] for i in idx], torch.zeros(len(idx)), 0, "cpu")
+            (-(completion_logprobs(policy, mb, 1.0) * mb.mask).sum()).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return lens, time.perf_counter() - t0
+    train_step(8, 0)
+    sync()
+    base = replace(hw, train_mfu=1.0, train_overhead_s=0.0)
+    optim = train_time(base, m, [[]], False)               # AdamW's memory traffic alone
+    rows = [(lambda lens, t: (train_time(base, m, [lens], False) - optim, t - optim))(*train_step(n, seed))
+            for n in (16, 32, 64) for seed in (1, 2, 3)]
+    inv, over = fit([[c, 1.0] for c, _ in rows], [t for _, t in rows], [t for _, t in rows])
+    buf = torch.empty(m.params, dtype=torch.float32)
+
+    def copy_time() -> float:
+        t0 = time.perf_counter()
+        buf.clone()
+        return time.perf_counter() - t0
+    return replace(hw, train_mfu=1.0 / max(inv, 1e-12), train_overhead_s=over,
+                   interconnect_bw=2 * buf.numel() * 4 / med(copy_time))   # a transfer costs 2n / bw
+
+
+# ---- command line -----------------------------------------------------------------------------------------------
+def _cfg(cfg: dict, *keys, default=None):
+    for k in keys:
+        cfg = cfg.get(k) if isinstance(cfg, dict) else None
+    return default if cfg is None else cfg
+
+
+def table(res: dict, modes: tuple, dp: int) -> list[dict]:
+    """Rows sync / async (a generation group and a training group) / async on the same ranks, x AR /
+    spec, seconds per step. rollout_speedup: rollout throughput per generating rank vs AR in the same
+    mode (async AR and spec may split the ranks differently); step_speedup: vs sync AR."""
+    rows, base = [], res["ar"]["sync_mean"]["time_step"]
+    kinds = {"sync": ["sync_mean"], "async": ["async", "async_shared"]}
+    for mode in [k for m in modes for k in kinds[m]]:
+        per_rank = lambda r: r["time_rollout"] * r.get("gen_ranks", dp)
+        for kind in ("ar", "spec"):
+            r, ar = res[kind].get(mode), res["ar"].get(mode)
+            if r is not None:
+                rows.append(dict(mode={"sync_mean": "sync", "async_shared": "async, same ranks"}.get(mode, mode),
+                                 rollout=kind, time_rollout=r["time_rollout"],
+                                 time_train_sync=r["time_train"] + r["time_weight_sync"], time_step=r["time_step"],
+                                 rollout_speedup=per_rank(ar) / per_rank(r), step_speedup=base / r["time_step"],
+                                 split=f"{r['gen_ranks']} gen / {r['train_ranks']} train" if mode == "async" else
+                                 "all ranks"))
+    return rows
+
+
+def print_rows(rows: list[dict], title: str) -> None:
+    cols = list(dict.fromkeys(k for r in rows for k in r))
+    fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else str(v)
+    w = [max(len(c), *(len(fmt(r.get(c, ""))) for r in rows)) for c in cols]
+    print(f"\n== {title}\n" + "  ".join(c.ljust(x) for c, x in zip(cols, w)))
+    for r in rows:
+        print("  ".join(fmt(r.get(c, "")).ljust(x) for c, x in zip(cols, w)))
+
+
+def validate(label: str, trace: list[dict], res: dict) -> list[dict]:
+    """Predicted (the trace's own speculation replayed) vs measured, means over the steps. An
+    off-policy run (`staleness` 1) time-shares each rank: only its step time compares."""
+    out, off = [], any(st["measured"].get("staleness") for st in trace)
+    for key in ("time_step",) if off else ("time_rollout", "time_train", "time_weight_sync", "time_step"):
+        meas = _mean([st["measured"].get(key) for st in trace])
+        if meas:
+            pred = res["spec"]["async_shared" if off else "sync_mean"][key]
+            out.append(dict(run=label, metric=key, measured=meas, predicted=pred, error_pct=100 * (pred - meas) / meas))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m nanospec.simulate", description=__doc__.splitlines()[0])
+    ap.add_argument("--run", help="RUN_DIR (metrics.jsonl, config.yaml) or a bench JSON whose rows keep 'steps'")
+    ap.add_argument("--lengths", help="'gsm8k' or a GSM8K-format .jsonl: lengths of its reference solutions")
+    ap.add_argument("--prompts", type=int, default=64, help="--lengths: prompts per step")
+    ap.add_argument("--G", type=int, default=16, help="--lengths: samples per prompt")
+    ap.add_argument("--steps", type=int, default=8, help="--lengths: steps")
+    ap.add_argument("--length-scale", type=float, default=1.0, help="--lengths: stretch every response")
+    ap.add_argument("--acceptance", type=float, help="per-token draft acceptance; spec rows then draft the best k")
+    ap.add_argument("--draft-len", type=int, default=8, help="largest k with --acceptance")
+    ap.add_argument("--model", help=f"a preset ({', '.join(MODELS)}), a config.json or a model directory")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))
+    ap.add_argument("--hardware", default="cpu", help=f"cpu (calibrated here), {', '.join(PRESETS)}, or a JSON file")
+    ap.add_argument("--threads", type=int, help="cpu: torch threads per rank (default: the run's run.num_threads)")
+    ap.add_argument("--dp", type=int, help="data-parallel ranks (default: the run's)")
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--gen-dp", type=int, help="async: ranks that generate (default: the best split)")
+    ap.add_argument("--max-seqs", type=int, help="sequences per engine (default: the run's, else 256)")
+    ap.add_argument("--prompt-len", type=float, help="prompt tokens where the trace has no 'prompt_lens'")
+    ap.add_argument("--skip", type=int, default=1, help="--run: leading warm-up steps left out")
+    ap.add_argument("--mode", default="both", choices=("sync", "async", "both"))
+    ap.add_argument("--out", help="write the results as JSON here")
+    ap.add_argument("--plot", help="--run RUN_DIR: simulated vs measured timeline PNG")
+    a = ap.parse_args(argv)
+    try:
+        if bool(a.run) == bool(a.lengths):
+            raise ValueError("pass one of --run RUN_DIR|bench.json and --lengths gsm8k|FILE.jsonl")
+        runs, cfg = read_run(a.run, a.prompt_len) if a.run else ([], {})
+        runs = [(label, tr[a.skip:] if len(tr) > a.skip else tr) for label, tr in runs]
+        if a.lengths:
+            if a.lengths == "gsm8k":
+                from nanospec.tasks.gsm8k import default_data_dir
+            path = default_data_dir() / "train.jsonl" if a.lengths == "gsm8k" else Path(a.lengths)
+            if a.acceptance is None:
+                raise ValueError("--lengths needs --acceptance (the drafts' per-token acceptance)")
+            runs = [(f"gsm8k x{a.prompts}x{a.G}" + (f", lengths x{a.length_scale:g}" if a.length_scale != 1 else ""),
+                     gsm8k_trace(str(path), a.prompts, a.G, a.steps, Spec(), a.length_scale))]
+        if a.acceptance is not None:
+            best = Spec(((1.0, a.draft_len, a.acceptance),), 1.0, a.draft_len)
+            runs = [(label, [dict(st, spec=best, rank_specs=None, rates=None) for st in tr]) for label, tr in runs]
+        spec_model = a.model or _cfg(cfg, "model", "path") or _cfg(cfg, "sft", "out_dir")
+        if not spec_model:
+            raise ValueError(f"{a.run}: no model to size: pass --model (a preset, config.json or model directory)")
+        mcfg, where = load_model_config(spec_model)
+        dtype = a.dtype or (_cfg(cfg, "rollout", "dtype") if a.run and not a.model else None)
+        m = ModelShape.from_config(mcfg, where, dtype)
+        first = runs[0][1][0]["measured"] if runs and runs[0][1] else {}
+        if a.hardware == "cpu" and m.params > 2e9:
+            raise ValueError(f"--hardware cpu calibrates on a model of {m.name}'s shape ({m.params / 1e9:.3g}B "
+                             f"parameters in fp32): pass a GPU preset ({', '.join(PRESETS)}) or a hardware JSON")
+        if a.hardware == "cpu":
+            hw = cpu_preset(mcfg, a.threads or _cfg(cfg, "run", "num_threads", default=1), where,
+                            a.dp or len(first.get("rank_busy_time") or [0]))
+        elif a.hardware in PRESETS:
+            hw = PRESETS[a.hardware]
+        else:
+            hw = Hardware(**json.loads(Path(a.hardware).read_text()))
+        lay = Layout(a.dp or len(first.get("rank_busy_time") or [0]), a.tp, a.gen_dp,
+                     a.max_seqs or _cfg(cfg, "rollout", "max_num_seqs", default=64 if a.run else 256),
+                     _cfg(cfg, "rollout", "block_size", default=16))
+        ref = _cfg(cfg, "grpo", "beta", default=0.0) > 0
+        # measured vs predicted only for a replay of the run as it ran (its machine: cpu or a hardware
+        # JSON such as a saved calibration; its ranks and drafts)
+        projecting = (a.hardware in PRESETS or lay.tp != 1 or a.acceptance is not None
+                      or lay.dp != len(first.get("rank_busy_time") or [0]))
+    except (ValueError, OSError, KeyError, json.JSONDecodeError) as e:
+        print(f"simulate: error: {e}", file=sys.stderr)
+        return 2
+    modes = ("sync", "async") if a.mode == "both" else (a.mode,)
+    print(f"model {m.name}: {m.params / 1e9:.3g}B params, {m.dtype_bytes}-byte weights, "
+          f"{m.kv_bytes_per_token / 1024:.3g} KiB KV/token; hardware {hw.name}; dp {lay.dp} x tp {lay.tp}; "
+          f"max {lay.max_seqs} seqs per engine")
+    out = dict(model=asdict(m), hardware=asdict(hw), layout=asdict(lay), runs=[])
+    for label, trace in runs:
+        res = {kind: simulate(trace, hw, m, lay, kind, ref) for kind in ("ar", "spec")}
+        rows = table(res, modes, lay.dp)
+        val = [] if projecting else validate(label, trace, res)
+        lens = [L for st in trace for _, ls in st["groups"] for L in ls]
+        print_rows(rows, f"{label}: {len(trace)} steps of {len(lens) // max(len(trace), 1)} responses "
+                         f"(mean {sum(lens) / max(len(lens), 1):.0f} tokens), projected seconds per step")
+        if val:
+            print_rows(val, f"{label}: predicted (trace replayed) vs measured, mean per step")
+        for kind in res:     # the engine-step timelines are for plots, not the JSON
+            for s in res[kind]["sync"]:
+                s.pop("engine_steps")
+        out["runs"].append(dict(label=label, table=rows, validation=val, simulated=res))
+        if a.plot and a.run and Path(a.run).is_dir():
+            from nanospec.rl.report import plot_sim_timeline
+            print("wrote", plot_sim_timeline([st["measured"] for st in trace], res["spec"]["sync"], a.plot))
+    if a.out:
+        Path(a.out).write_text(json.dumps(out, indent=1))
+        print("wrote", a.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

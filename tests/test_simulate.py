@@ -1,0 +1,168 @@
+"""nanospec.simulate: roofline regimes, the drain against hand computations, speculation priced (never
+assumed), the async pipeline, the CLI on a tiny synthetic run, presets, and bad input."""
+import json
+import math
+
+import pytest
+
+from nanospec import simulate as sim
+
+TINY = dict(model_type="llama", num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=128, vocab_size=50, tie_word_embeddings=True, torch_dtype="float32")
+
+
+def clock(step=1.0, seq=0.0, verify=0.0) -> sim.Hardware:
+    """A machine where only the host overheads cost anything: step times are hand-countable."""
+    return sim.Hardware("clock", 1e30, 1e30, 1e30, step_overhead_s=step, seq_overhead_s=seq, verify_overhead_s=verify)
+
+
+def shape(name="qwen3-8b") -> sim.ModelShape:
+    cfg, where = sim.load_model_config(name)
+    return sim.ModelShape.from_config(cfg, where)
+
+
+def test_presets_load():
+    assert sim.PRESETS["h100"].mem_bw == 3.35e12 and sim.PRESETS["h200"].mem_bw == 4.8e12
+    assert sim.PRESETS["h100"].flops == sim.PRESETS["h200"].flops == 989e12
+    assert 8.1e9 < shape("qwen3-8b").params < 8.3e9          # Qwen3-8B: 8.2B parameters
+    assert 7.9e9 < shape("llama3-8b").params < 8.1e9         # Llama-3.1-8B: 8.0B
+    m = shape()
+    assert m.dtype_bytes == 2 and m.kv_bytes_per_token == 2 * 36 * 8 * 128 * 2
+
+
+def test_roofline_regimes():
+    hw, m = sim.replace(sim.PRESETS["h100"], step_overhead_s=0, seq_overhead_s=0, verify_overhead_s=0), shape()
+    t = lambda B, Q, C=256: sim.step_time(hw, m, 1, B, B * Q, B * C, B * Q * C, Q > 1)
+    weights = m.matmul_params * m.dtype_bytes / (hw.mem_bw * hw.bw_eff)
+    # small batch: memory-bound, a step ~ one read of the weights, and verifying 8 drafts costs ~ a decode
+    assert t(1, 1) == pytest.approx(weights, rel=0.01)
+    assert t(1, 9) / t(1, 1) < 1.01
+    # large batch: compute-bound, time grows with the query tokens
+    assert t(1024, 9) / t(1024, 1) > 5
+    assert t(1024, 9) == pytest.approx(2 * m.matmul_params * 1024 * 9 / (hw.flops * hw.flops_eff), rel=0.1)
+    # tensor parallelism splits the work and pays all-reduces
+    assert sim.step_time(hw, m, 2, 1, 1, 256, 256) < t(1, 1)
+
+
+def test_drain_matches_hand_computation():
+    m = sim.ModelShape.from_config(TINY, "tiny")
+    # lengths 1, 3, 5: a prefill step (3 rows, each emits a token, the 1-token response ends), then 2 decode
+    # steps of 2 rows and 2 of 1 row: 1.3 + 2 * 1.2 + 2 * 1.1
+    t, steps = sim.drain(clock(1.0, 0.1), m, sim.Layout(max_seqs=64), [(4, [1, 3, 5])], sim.Spec())
+    assert t == pytest.approx(1.3 + 2.4 + 2.2) and [s[2] for s in steps] == [3, 2, 2, 1, 1]
+    # every draft accepted (a = 1, k = 1): 2 tokens per verify -> remaining 2 and 4 take 1 and 2 steps
+    spec = sim.Spec(((1.0, 1, 1.0),), on=1.0)
+    t, steps = sim.drain(clock(1.0, 0.0, 0.5), m, sim.Layout(max_seqs=64), [(4, [1, 3, 5])], spec)
+    assert t == pytest.approx(1.5 + 2 * 1.5) and len(steps) == 3      # its prefill verifies drafts too
+    # max 2 running: the third sequence is admitted by a second prefill when the first two are done
+    t, steps = sim.drain(clock(), m, sim.Layout(max_seqs=2), [(4, [2, 2, 2])], sim.Spec())
+    assert t == 4.0 and [s[2] for s in steps] == [2, 2, 1, 1]
+    # replayed per row: 5 tokens in 2 forwards and 9 in 3 (the prefill's included) take exactly that
+    t, steps = sim.drain(clock(), m, sim.Layout(), [(4, [5, 9])], sim.Spec(), [[(5 / 2, 1.5), (9 / 3, 2.0)]])
+    assert t == 3.0 and [s[2] for s in steps] == [2, 2, 1]
+
+
+def test_leviathan_and_its_inverse():
+    assert sim.leviathan(0.0, 4) == 1.0 and sim.leviathan(1.0, 4) == 5.0
+    assert sim.leviathan(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+    for a, k in ((0.3, 8), (0.8, 3.5), (0.95, 6)):
+        rate = (sim.leviathan(a, k) - 1) / k
+        assert sim.alpha_from_rate(rate, k) == pytest.approx(a, abs=1e-6)
+
+
+def trace(steps=3, G=4, lens=(10, 40, 80, 20, 5, 60, 30, 90), spec=None):
+    groups = [(16, list(lens[i * G:(i + 1) * G])) for i in range(len(lens) // G)]
+    return [dict(step=s, groups=groups, ranks=[0, 1], spec=spec or sim.Spec(), measured={}) for s in range(steps)]
+
+
+@pytest.mark.parametrize("hw", ["h100", "clock"])
+def test_speculation_is_priced_not_assumed(hw):
+    hw, m = (sim.PRESETS["h100"] if hw == "h100" else clock(1.0, 0.0, 0.5)), shape()
+    lay = sim.Layout(2)
+    ar = sim.simulate(trace(), hw, m, lay, "ar")["sync_mean"]
+    zero = sim.simulate(trace(spec=sim.Spec(((1.0, 4, 0.0),), 1.0)), hw, m, lay, "spec")["sync_mean"]
+    good = sim.simulate(trace(spec=sim.Spec(((1.0, 4, 0.8),), 1.0)), hw, m, lay, "spec")["sync_mean"]
+    assert zero["time_rollout"] > ar["time_rollout"] > good["time_rollout"]      # acceptance 0 only costs
+    assert zero["time_train"] == ar["time_train"]                                # same tokens to train on
+    best = sim.simulate(trace(spec=sim.Spec(((1.0, 8, 0.0),), 1.0, best_k=8)), hw, m, lay, "spec")["sync_mean"]
+    assert best["time_rollout"] == pytest.approx(ar["time_rollout"])               # best k at a = 0 is k = 0
+
+
+def test_async_is_max_of_rollout_and_train_in_steady_state():
+    hw, m = sim.PRESETS["h100"], shape()
+    tr = trace(steps=6)
+    res = sim.simulate(tr, hw, m, sim.Layout(4, 1, gen_dp=2), "ar")
+    a = res["async"]
+    assert (a["gen_ranks"], a["train_ranks"]) == (2, 2)
+    assert a["time_step"] == pytest.approx(max(a["time_rollout"], a["time_train"] + a["time_weight_sync"]))
+    assert a["time_weight_sync"] == pytest.approx(m.params * 2 / (hw.interconnect_bw / 2))
+    s = res["sync_mean"]
+    assert s["time_step"] == pytest.approx(s["time_rollout"] + s["time_train"] + s["time_weight_sync"])
+    # the same ranks time-share rollout and training: the pipeline saves the bubble, never work
+    shared, step = res["async_shared"]["time_step"], res["sync"][0]
+    assert shared == pytest.approx(max(step["rank_busy_time"]) + step["time_train"] + step["time_weight_sync"])
+    assert shared <= s["time_step"] * (1 + 1e-12)
+
+
+def write_run(tmp_path, drop=None, bad_config=False):
+    steps = []
+    for s in range(3):
+        r = dict(step=s, response_lens=[10, 40, 80, 20, 5, 60, 30, 90], prompt_rank=[0, 1], prompt_lens=[16, 20],
+                 seq_forwards=200, generated_tokens=335, verify_steps=100, proposed_tokens=400, accepted_tokens=135,
+                 **{"drafter/prior/verify_steps": 100, "drafter/prior/proposed": 400, "drafter/prior/accepted": 135},
+                 spec_on_frac=0.8, time_rollout=1.0, time_train=0.5, time_weight_sync=0.01, time_step=1.6,
+                 rank_busy_time=[0.8, 1.0], rank_bubble_time=[0.2, 0.0])
+        if drop:
+            r.pop(drop)
+        steps.append(r)
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps))
+    cfg = dict(TINY)
+    if bad_config:
+        cfg.pop("hidden_size")
+    (tmp_path / "model.json").write_text(json.dumps(cfg))
+    (tmp_path / "config.yaml").write_text("rollout:\n  max_num_seqs: 64\n  dtype: float32\n")
+    return tmp_path
+
+
+def test_cli_on_a_tiny_run(tmp_path, capsys):
+    run = write_run(tmp_path)
+    out, png, hw = tmp_path / "sim.json", tmp_path / "timeline.png", tmp_path / "hw.json"
+    hw.write_text(json.dumps(sim.asdict(sim.replace(sim.PRESETS["h100"], name="saved calibration"))))
+    assert sim.main(["--run", str(run), "--model", str(run / "model.json"), "--hardware", str(hw), "--out", str(out),
+                     "--plot", str(png)]) == 0
+    res = json.loads(out.read_text())["runs"][0]
+    modes = ("sync", "async", "async, same ranks")
+    assert [(r["mode"], r["rollout"]) for r in res["table"]] == [(m, k) for m in modes for k in ("ar", "spec")]
+    assert {v["metric"] for v in res["validation"]} == {"time_rollout", "time_train", "time_weight_sync", "time_step"}
+    assert all(math.isfinite(v["error_pct"]) for v in res["validation"])
+    assert png.stat().st_size > 0 and "predicted" in capsys.readouterr().out
+    # the projection's one command, on a small GSM8K-format file
+    data = tmp_path / "gsm.jsonl"
+    answer = "3 + 4 = <<3+4=7>>7\n#### 7"
+    data.write_text("".join(json.dumps(dict(question="Tom has 3 apples. How many?", answer=answer * (i + 1))) + "\n"
+                            for i in range(10)))
+    assert sim.main(["--lengths", str(data), "--acceptance", "0.4", "--model", "qwen3-8b", "--hardware", "h200",
+                     "--dp", "8", "--prompts", "8", "--G", "4", "--steps", "3", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())["runs"][0]
+    assert len(res["table"]) == 6 and all(r["time_step"] > 0 for r in res["table"])
+    assert res["validation"] == []            # a projection has nothing measured to compare with
+
+
+def test_bad_input_names_the_file_and_key(tmp_path, capsys):
+    run = write_run(tmp_path, drop="prompt_rank")
+    with pytest.raises(ValueError, match=r"metrics\.jsonl: step 0: missing key 'prompt_rank'"):
+        sim.read_run(str(run), None)
+    assert sim.main(["--run", str(run), "--model", str(run / "model.json"), "--hardware", "h100"]) == 2
+    assert "missing key 'prompt_rank'" in capsys.readouterr().err
+    run = write_run(tmp_path, drop="prompt_lens")
+    with pytest.raises(ValueError, match="missing key 'prompt_lens'.*--prompt-len"):
+        sim.read_run(str(run), None)
+    assert sim.read_run(str(run), 16.0)[0][0][1][0]["groups"][0][0] == 16.0
+    run = write_run(tmp_path, bad_config=True)
+    with pytest.raises(ValueError, match=r"model\.json: missing key 'hidden_size'"):
+        sim.ModelShape.from_config(*sim.load_model_config(str(run / "model.json")))
+    assert sim.main(["--run", str(run), "--model", str(run / "model.json"), "--hardware", "h100"]) == 2
+    assert "missing key 'hidden_size'" in capsys.readouterr().err
+    (tmp_path / "rows.json").write_text(json.dumps({"rows": [{"name": "AR", "speedup": 1.0}]}))
+    with pytest.raises(ValueError, match=r"rows\.json: row 'AR': missing key 'steps'"):
+        sim.read_run(str(tmp_path / "rows.json"), None)
