@@ -9,7 +9,6 @@ row draws). In that mode two runs agree on every metric that does not measure ti
 run must too.
 """
 import hashlib
-import itertools
 import json
 import os
 import random
@@ -19,17 +18,9 @@ import pytest
 
 from conftest import ROOT
 from nanospec.rl.checkpoint import list_checkpoints, resume_point, verify_checkpoint
-from nanospec.soak import RUN, untimed      # the soak script's short default run
+from nanospec.soak import RUN, untimed, write_profile    # the soak script's short default run
 
 TORCHRUN = [str(ROOT / ".venv" / "bin" / "torchrun"), "--standalone", "--nproc_per_node=2"]
-
-
-def write_profile(path) -> str:
-    """A fixed cost model in the profile-cache format (latency.py): t = a + b*B + c*B*Q + d*B*C (+ verify)."""
-    grid = itertools.product((1, 8, 32), (32, 64), (1, 4, 8))
-    samples = [[B, C, Q, 2e-3 + 5e-5 * B + 2e-5 * B * Q + 1e-7 * B * C + 5e-4 * (Q > 1)] for B, C, Q in grid]
-    path.write_text(json.dumps({"samples": samples, "draft_seconds_per_seq": 5e-5}))
-    return str(path)
 
 
 def train(shared, out, *extra, fault=None, ok=True):
