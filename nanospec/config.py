@@ -11,6 +11,7 @@ the default. Names of `grpo` knobs follow TRL's GRPOConfig.
 """
 from __future__ import annotations
 
+import json
 import numbers
 import types
 import typing
@@ -241,6 +242,20 @@ def check(ok: bool, field: str, expected: str, got) -> None:
     """The one argument check of the library: a ValueError naming the field, what it expected, what came."""
     if not ok:
         raise ValueError(f"{field}: expected {expected}, got {got!r}")
+
+
+def read_jsonl(path) -> list[tuple[int, Any]]:
+    """(1-based line number, value) of each non-blank line of a JSON-lines file; a line that is not
+    JSON is a ValueError naming the file and the line (datasets' loader names neither)."""
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    rows.append((n, json.loads(line)))
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}: line {n}: invalid JSON ({e.msg})") from None
+    return rows
 
 
 def is_int(x) -> bool:

@@ -37,6 +37,8 @@ from collections import deque
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from nanospec.config import read_jsonl
+
 
 # ---- hardware -------------------------------------------------------------------------------------
 @dataclass
@@ -338,12 +340,7 @@ def read_run(path: str, prompt_len: float | None) -> tuple[list[dict], dict]:
             raise ValueError(f"{f}: metrics file not found")
         import yaml
         cfg = yaml.safe_load((p / "config.yaml").read_text()) if (p / "config.yaml").is_file() else {}
-        recs = []
-        for i, ln in enumerate(f.read_text().splitlines(), 1):
-            try:
-                recs += [json.loads(ln)] if ln.strip() else []
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{f}: line {i}: invalid JSON ({e.msg})") from None
+        recs = [r for _, r in read_jsonl(f)]
         return [(p.name, [check_step(r, str(f), prompt_len) for r in recs])], cfg
     if not p.is_file():
         raise ValueError(f"--run: {path}: neither a run directory nor a bench JSON file")

@@ -19,7 +19,7 @@ ALLOWED = {
     "nanospec.drafters": {"nanospec.config", "nanospec.models", "nanospec.engine.sequence",
                           "nanospec.engine.runner", "nanospec.engine.sampler"},
     "nanospec.engine": {"nanospec.config", "nanospec.models", "nanospec.drafters"},
-    "nanospec.tasks": {"nanospec.models"},
+    "nanospec.tasks": {"nanospec.config", "nanospec.models"},
     "nanospec.rl": {"nanospec"},
 }
 

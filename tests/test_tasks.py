@@ -172,7 +172,7 @@ def test_gsm8k_clear_errors(tmp_path):
     with pytest.raises(ValueError, match=r"train\.jsonl: line 3 is malformed.*####"):
         GSM8KTask(data_path=tmp_path).train(1)
     (tmp_path / "test.jsonl").write_text(good * 4 + "{not json\n")
-    with pytest.raises(ValueError, match=r"test\.jsonl: line 5: not valid JSON"):
+    with pytest.raises(ValueError, match=r"test\.jsonl: line 5: invalid JSON"):
         GSM8KTask(data_path=tmp_path).test(1)
 
 

@@ -14,10 +14,11 @@ Uses matplotlib's object API (Figure + Agg canvas, no pyplot state), imported la
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
+
+from nanospec.config import read_jsonl
 
 DPI = 80
 STR_KEYS = {"speculative"}          # string or null
@@ -53,22 +54,15 @@ def load_metrics(path: str) -> list[dict]:
     if not os.path.isfile(path):
         raise ValueError(f"{path}: metrics file not found")
     recs = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}: line {n}: invalid JSON ({e.msg})") from None
-            if not isinstance(rec, dict):
-                raise ValueError(f"{path}: line {n}: expected a JSON object, got {type(rec).__name__}")
-            if "step" not in rec:
-                raise ValueError(f"{path}: line {n}: missing required key 'step'")
-            for k, v in rec.items():
-                if (err := _check_value(k, v)) is not None:
-                    raise ValueError(f"{path}: line {n}: key {k!r}: {err}")
-            recs.append(rec)
+    for n, rec in read_jsonl(path):
+        if not isinstance(rec, dict):
+            raise ValueError(f"{path}: line {n}: expected a JSON object, got {type(rec).__name__}")
+        if "step" not in rec:
+            raise ValueError(f"{path}: line {n}: missing required key 'step'")
+        for k, v in rec.items():
+            if (err := _check_value(k, v)) is not None:
+                raise ValueError(f"{path}: line {n}: key {k!r}: {err}")
+        recs.append(rec)
     if not recs:
         raise ValueError(f"{path}: empty metrics file (no JSON lines)")
     return recs

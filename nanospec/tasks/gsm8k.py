@@ -6,12 +6,12 @@ number; commas, `$` and a trailing `.` are ignored and 72, 72.0 and 72.00 are th
 """
 from __future__ import annotations
 
-import json
 import os
 import random
 import re
 from pathlib import Path
 
+from nanospec.config import read_jsonl
 from nanospec.tasks.synthetic import Problem
 
 INSTRUCTION = "Solve step by step, then give the final number after '####'."
@@ -47,26 +47,18 @@ def extract_answer(text) -> float | None:
 
 def load_split(path) -> list[dict]:
     """Rows of one jsonl file, checked: a missing file or a malformed line raises naming the file and
-    the line number (a plain line loop: datasets' json loader names neither)."""
+    the line number."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"GSM8K file {path} not found: pass task.data_path (a folder with "
                                 f"train.jsonl/test.jsonl) or set NANOSPEC_DATA")
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                r = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}: line {n}: not valid JSON ({e.msg} at column {e.colno})") from None
-            if not (isinstance(r, dict) and isinstance(r.get("question"), str) and isinstance(r.get("answer"), str)
-                    and "####" in r["answer"] and extract_answer(r["answer"]) is not None):
-                raise ValueError(f"{path}: line {n} is malformed: expected string fields 'question' and "
-                                 f"'answer' with the answer ending in '#### <number>', got {line.strip()[:120]}")
-            rows.append(r)
-    return rows
+    rows = read_jsonl(path)
+    for n, r in rows:
+        if not (isinstance(r, dict) and isinstance(r.get("question"), str) and isinstance(r.get("answer"), str)
+                and "####" in r["answer"] and extract_answer(r["answer"]) is not None):
+            raise ValueError(f"{path}: line {n} is malformed: expected string fields 'question' and "
+                             f"'answer' with the answer ending in '#### <number>', got {str(r)[:120]}")
+    return [r for _, r in rows]
 
 
 class GSM8KTask:
