@@ -18,7 +18,7 @@ import argparse
 import os
 import sys
 
-USER_ERRORS = (ValueError, TypeError, FileNotFoundError)   # what the input checks raise
+USER_ERRORS = (ValueError, FileNotFoundError)   # what the input checks raise
 
 
 def user_error(e: Exception) -> int:

@@ -77,6 +77,23 @@ def test_kill_a_rank_anywhere_and_resume_exactly(tmp_path):
     assert sha(final(run)) == sha(final(tmp_path / "ref"))
 
 
+@pytest.mark.slow
+def test_off_policy_on_two_ranks_resumes_exactly(tmp_path):
+    """grpo.max_staleness=1 under torchrun: the rollout thread's gathers run in their own process group
+    beside the trainer's all-reduces; a rank killed inside the thread's rollout of step 3 (made while
+    step 2 trains) resumes from the step-2 checkpoint, which holds that step's rollout made ahead."""
+    write_profile(tmp_path / "profile.json")
+    off = "--grpo.max_staleness=1"
+    train(tmp_path, tmp_path / "ref", off)
+    ref = metrics(tmp_path / "ref")
+    assert [r["staleness"] for r in ref] == [0, 1, 1, 1] and all(r["time_overlap"] > 0 for r in ref[:3])
+    run = tmp_path / "run"
+    train(tmp_path, run, off, fault=f"rollout:3:{random.randrange(2)}:{random.randint(1, 6)}", ok=False)
+    assert [c.name for c in list_checkpoints(run)] == ["step_000002"]
+    train(tmp_path, run, off, "--resume")
+    assert [untimed(r) for r in metrics(run)] == [untimed(r) for r in ref]
+
+
 @pytest.fixture(scope="module")
 def two_checkpoints(tmp_path_factory):
     """A world-1 run of the tiny test model with checkpoints at steps 1 and 2."""

@@ -31,12 +31,12 @@ from __future__ import annotations
 import json
 import math
 import resource
-from concurrent.futures import ThreadPoolExecutor
 import shutil
 import statistics
 import time
 import warnings
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
