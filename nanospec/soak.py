@@ -28,6 +28,8 @@ import sys
 import time
 from pathlib import Path
 
+from nanospec.config import read_jsonl
+
 ROOT = Path(__file__).resolve().parents[1]
 RUN = ["--config", "configs/default.yaml", "--sft.steps=150", "--sft.batch_size=16", "--grpo.num_steps=4",
        "--grpo.prompts_per_step=4", "--grpo.num_generations=4", "--task.num_test=8", "--task.num_train=64",
@@ -77,9 +79,9 @@ class Soak:
 
     @staticmethod
     def results(run: Path) -> tuple[list[dict], str]:
-        lines = (run / "metrics.jsonl").read_text().splitlines()
         weights = run / "checkpoints" / "step_000004" / "model.safetensors"
-        return [untimed(json.loads(line)) for line in lines], hashlib.sha256(weights.read_bytes()).hexdigest()
+        return ([untimed(r) for _, r in read_jsonl(run / "metrics.jsonl")],
+                hashlib.sha256(weights.read_bytes()).hexdigest())
 
     def random_fault(self) -> str:
         point, rank = self.rng.choice(["rollout", "optimizer", "save"]), self.rng.randrange(2)

@@ -156,10 +156,11 @@ def resume_point(run_dir, log=print, quarantine: bool = True) -> Path | None:
     return None
 
 
-def load_checkpoint(path, rank: int = 0, world_size: int = 1) -> tuple[dict, dict]:
-    """-> (trainer_state, this rank's state), verified. Model weights: `loader.load_model(path)`."""
+def load_checkpoint(path, rank: int = 0, world_size: int = 1, verified: bool = False) -> tuple[dict, dict]:
+    """-> (trainer_state, this rank's state), verified (`verified`: `resume_point` has just hashed every
+    file, so only the manifest is read). Model weights: `loader.load_model(path)`."""
     path = Path(path)
-    manifest = verify_checkpoint(path)
+    manifest = json.loads((path / MANIFEST).read_text()) if verified else verify_checkpoint(path)
     if manifest.get("world_size", world_size) != world_size:
         raise ValueError(f"{path}: written by {manifest['world_size']} ranks, resuming with {world_size}; "
                          f"per-rank state (RNG, drafters) cannot be remapped: use the same world size")

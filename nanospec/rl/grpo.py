@@ -445,7 +445,7 @@ class Trainer:
         if ck is None:
             self.log(f"[resume] no complete checkpoint in {self.run_dir}/checkpoints: starting at step 0")
             return
-        ts, rs = load_checkpoint(ck, self.rank, self.world)
+        ts, rs = load_checkpoint(ck, self.rank, self.world, verified=True)
         with torch.no_grad():
             for name, t in load_model(ck, "float32", "cpu").state_dict().items():
                 self.policy.state_dict()[name].copy_(t)

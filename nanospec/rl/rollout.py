@@ -257,12 +257,13 @@ class RolloutWorker:
         """The step as nanospec.simulate replays it: group-major in prompt order, every response's
         length, target forwards and drafts verified; each prompt's length and rank; per-rank counters."""
         fwd = {i: f for r in ranks for i, f in r["forwards"].items()}
+        rank_of = {i: r for r, idx in enumerate(assignment) for i in idx}
         lens = {i: ls for r in ranks for i, ls in r["lengths"].items()}
         out = dict(response_lens=[x for i in range(len(problems)) for x in lens[i]],
                    response_forwards=[f for i in range(len(problems)) for f, _ in fwd[i]],
                    response_drafted=[d for i in range(len(problems)) for _, d in fwd[i]],
                    prompt_lens=[len(self.prompt_ids(p)) for p in problems],
-                   prompt_rank=[next(r for r, idx in enumerate(assignment) if i in idx) for i in range(len(problems))])
+                   prompt_rank=[rank_of[i] for i in range(len(problems))])
         for k in ("seq_forwards", "generated_tokens", "verify_steps", "proposed_tokens", "accepted_tokens"):
             out[f"rank_{k}"] = [r["stats"].get(k, 0) for r in ranks]
         if all("spec_on_frac" in r["policy"] for r in ranks):
