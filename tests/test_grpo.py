@@ -67,13 +67,16 @@ def params_after(cfg, samples):
 def _rank_main(rank, tmp, cfg_by_loss, samples):
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", init_method=f"file://{tmp}/pg", rank=rank, world_size=2)
+    from nanospec.rl.dist import cleanup
+    done = False
     try:
         mine = samples[rank * 4:(rank + 1) * 4]          # one whole group per rank
         out = {lt: params_after(cfg, mine) for lt, cfg in cfg_by_loss.items()}
         if rank == 0:
             torch.save(out, f"{tmp}/dist.pt")
+        done = True
     finally:
-        torch.distributed.destroy_process_group()
+        cleanup(sync=done)    # a barrier first: leaving alone can SIGABRT the other rank (CI saw it)
 
 
 def test_two_ranks_match_one_process_with_grad_accumulation(tmp_path):
