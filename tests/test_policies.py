@@ -237,7 +237,7 @@ def test_policy_toggles_each_drafter_on_its_own_acceptance_and_probes_with_backo
 def test_probes_of_a_drafter_with_its_own_kv_wait_for_fresh_rows():
     """An off self-drafter / draft model is probed only on rows whose drafter KV is current: catching
     up on 30 tokens per row costs a forward over all of them, more than any probe can win back. A due
-    probe waits for fresh rows (here: requests just prefilled) and then drafts on `probe_rows` of them."""
+    probe waits for fresh rows (here: requests just prefilled) and then drafts 2 tokens on `probe_rows` of them."""
     from nanospec.engine.controller import DraftController
     lat = LatencyModel(coef=[1, 0, 0.01, 0, 0, 0])
     pol = DraftController(toggle=SpeculationToggle(lat, 1.05), probe_every=2, probe_every_max=8,
@@ -249,11 +249,30 @@ def test_probes_of_a_drafter_with_its_own_kv_wait_for_fresh_rows():
     stale = [row(40, 10) for _ in range(6)]
     assert all(pol.budgets(stale, 4) == [0] * 6 for _ in range(12))     # due probes wait
     fresh = stale[:3] + [row(21, 20), row(23, 20), row(21, 20)]
-    assert pol.budgets(fresh, 4) == [0, 0, 0, 4, 0, 4]                   # the two rows of lag 1
+    assert pol.budgets(fresh, 4) == [0, 0, 0, 2, 0, 2]            # the two rows of lag 1, 2 tokens each
     plain = DraftController(toggle=SpeculationToggle(lat, 1.05), probe_every=2, probe_rows=2, sources=["ngram"])
     for _ in range(8):
         plain.observe_acceptance("ngram", 4, 0)
     assert [plain.budgets(stale, 4) for _ in range(2)][-1] == [4, 4, 0, 0, 0, 0]   # no KV: any rows
+
+
+def test_a_probe_catches_a_kv_drafter_up_within_the_time_it_waited():
+    """A due probe may spend 1/probe_every of the target time it waited on catching a KV drafter up on a
+    lagging row (at batch 1 no row is ever fresh): a cheap draft model (catch-up 0.04 s) probes the
+    stale row when due, a costly one (3.5 s) once the wait has earned it (7 steps of 1.01 s / 2), and
+    a postponed probe does not double the gap."""
+    from nanospec.engine.controller import DraftController
+    lat = LatencyModel(coef=[1, 0, 0.01, 0, 0, 0])
+
+    def probe_steps(draft_coef):
+        pol = DraftController(toggle=SpeculationToggle(lat, 1.05), probe_every=2, probe_every_max=64, probe_rows=1,
+                              sources=["self"], kv_sources=["self"], draft_latency=LatencyModel(coef=draft_coef))
+        for _ in range(8):
+            pol.observe_acceptance("self", 4, 0)
+        row = type("S", (), {"num_completion_tokens": 5, "__len__": lambda self: 40, "num_draft_computed": 10})()
+        return [i for i in range(16) if pol.budgets([row], 4) == [2]]      # a probe drafts 2 tokens
+    assert probe_steps([0.01, 0, 0.001, 0, 0, 0]) == [1, 5, 13]     # due after 2, 4, 8 steps
+    assert probe_steps([0.5, 0, 0.1, 0, 0, 0]) == [6, 13]           # waits until 7 steps have passed
 
 
 def test_a_drafter_too_slow_to_pay_even_when_always_right_is_never_probed_nor_prefilled():

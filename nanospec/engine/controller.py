@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import math
 import operator
 from collections import defaultdict
 from dataclasses import replace
@@ -162,13 +163,14 @@ class SpeedupGuard:
     steps, so a model that is off at this batch and context is corrected by the steps themselves. Any
     cost the predictions leave out (a drafter's Python, an over-confident acceptance estimate, verify
     overheads) shows up here. When the realized speedup, summed over the last speculating steps, falls
-    below `min_speedup` after `min_steps` of them (a margin: each side of the ratio is an estimate),
+    below `min_speedup` after `min_steps` of them (a margin: each side of the ratio is an estimate;
+    `decay` 0.95 sums ~20 steps: over ~10, a stretch of rejections trips a drafter that wins overall),
     speculation is suspended for `gap` engine steps of plain decoding
     and then tried again on fresh evidence; the gap doubles (up to `max_gap`) while trials keep failing.
     Steps that only probe an off drafter are left out: they are the probe's cost, accounted for there.
     """
 
-    def __init__(self, min_steps: int = 8, gap: int = 16, max_gap: int = 512, decay: float = 0.9,
+    def __init__(self, min_steps: int = 8, gap: int = 16, max_gap: int = 512, decay: float = 0.95,
                  min_speedup: float = 1.05):
         check(is_int(min_steps) and min_steps >= 1, "min_steps", "an int >= 1", min_steps)
         check(is_int(gap) and 1 <= gap <= max_gap, "gap", f"an int in [1, max_gap={max_gap}]", gap)
@@ -401,6 +403,8 @@ class DraftController:
         self._tally: dict[str, list[float]] = {}    # no ladder: per source recent accepted, rejections
         self._gap: dict[str, list[int]] = {}        # per source: [steps since last probe, probe gap]
         self._pays: dict[str, int | None] = {}      # this step, per source: draft length (0 = off), None = probe
+        self._probing: dict[str, tuple[int, int]] = {}   # sources probed this step: (steps waited, gap)
+        self._catch_up_seconds = 0.0                 # this step's predicted catch-up forwards of a probe
         self._steps = self._on_steps = 0
         # the guard's margin: measured speedups are noisy, so never below 1.05 (auto runs the toggle at 1.0)
         self.guard = SpeedupGuard(min_speedup=max(1.05, toggle.min_speedup)) if toggle is not None else None
@@ -435,7 +439,8 @@ class DraftController:
             ks = [min(k, self.classes.budget(max(s.predicted_len, s.num_completion_tokens)))
                   for k, s in zip(ks, seqs)]
         self._steps += 1
-        self._pays, self._step_draft_seconds = {}, 0.0     # this step's drafting starts here
+        self._pays, self._probing, self._step_draft_seconds = {}, {}, 0.0     # this step's drafting starts here
+        self._catch_up_seconds = 0.0
         if self.guard is not None and not self.guard.allows():
             return [0] * len(seqs)
         if self.toggle is not None and any(ks):
@@ -452,6 +457,7 @@ class DraftController:
                 else:   # off: probe (None: the rung's length) once the gap has passed, then double the gap;
                     gap[0] += 1   # never where even an always-right draft would not pay for its drafting
                     if gap[0] >= gap[1] and self._could_pay(len(seqs), ctx, min(self._rung(n, max_k), max(ks))):
+                        self._probing[n] = tuple(gap)       # (steps waited, gap): a postponed probe restores it
                         gap[:] = [0, min(2 * gap[1], self.probe_every_max)]
                         kn = None
                 self._pays[n] = kn
@@ -477,20 +483,40 @@ class DraftController:
 
     def _probe_rows(self, seqs, ks, cap: int) -> list[int]:
         """A probe step and nothing else: only `probe_rows` rows draft. A drafter with its own KV (self_nf4,
-        draft model) first catches up on every token since it last drafted for a row: a forward over
-        all of them, as costly as the target's, which no probe can win back. So while such a drafter
-        is probed, only rows it is (nearly) current on may draft -- fresh rows, whose prompt it saw at
-        the prefill -- and without any the probe waits for the next fresh request."""
+        draft model) first catches up on every token since it last drafted for a row: one forward of its
+        model over all of them. A probe may spend on that catch-up 1/probe_every of the target time it
+        waited (`waited` steps of this batch), so probing adds at most ~1/probe_every to the time a
+        drafter stays off: a small draft model catches up on a long-lagging row (at batch 1 there are no
+        fresh rows, and acceptance at response starts alone misjudges it), while a full-size drafter
+        (nf4 of the policy) waits for rows it is nearly current on -- fresh rows, whose prompt it saw at
+        the prefill -- or for a budget grown large enough. Without such a row the probe is postponed.
+        Such a probe drafts 2 tokens: with doubling gaps its cost (~2 draft forwards + the catch-up)
+        fades, where a probe of the whole rung (12 forwards) cost an always-wrong drafter 12%."""
         probing = [n for n, v in self._pays.items() if v is None]
         lag = lambda i: len(seqs[i]) - seqs[i].num_draft_computed
         rows = sorted(range(len(seqs)), key=lag)
         if any(n in self.kv_sources for n in probing):
-            rows = [i for i in rows if lag(i) <= cap + 1]
+            waited = max(self._probing[n][0] for n in probing if n in self.kv_sources)
+            ctx = sum(len(s) for s in seqs) / len(seqs)
+            budget = waited / self.probe_every * self.toggle.latency.predict(len(seqs), ctx, 1)
+            keep = []
+            for i in rows:
+                if lag(i) > cap + 1:     # one forward over the lagging tokens before the first draft
+                    cost = self.draft_latency.predict(1, seqs[i].num_draft_computed, lag(i)) \
+                        if self.draft_latency is not None else math.inf
+                    if cost > budget:
+                        break
+                    budget -= cost
+                    self._catch_up_seconds += cost
+                keep.append(i)
+            rows = keep
             if not rows:
-                for n in probing:           # postponed, not skipped: probe at the next chance
-                    self._gap[n][0] = self._gap[n][1]
+                for n in probing:      # postponed, not skipped: probe at the next step, gap not doubled
+                    if n in self._probing:
+                        self._gap[n][:] = [self._probing[n][0], self._probing[n][1]]
+            cap = min(cap, 2)          # its every draft token costs a forward: 2 measure acceptance
         keep = set(rows[:self.probe_rows])
-        return [k if i in keep else 0 for i, k in enumerate(ks)]
+        return [min(k, cap) if i in keep else 0 for i, k in enumerate(ks)]
 
     def clip(self, proposal, budgets, seqs):
         """-> a new Proposal with row i cut to min(budget, its source's rung, the toggle's cost-optimal
@@ -549,11 +575,11 @@ class DraftController:
         on a full batch is not charged in full to a tail step of one straggler."""
         if self.replay:          # the modeled cost, and nothing learned from the clock
             any_k, per_token = self.draft_cost(num_seqs, ctx_len)
-            self._step_draft_seconds += any_k + per_token * forwards
+            self._step_draft_seconds += any_k + per_token * forwards + self._catch_up_seconds
             return
         self._step_draft_seconds += seconds
-        if self.draft_latency is not None and forwards:
-            self.draft_latency.observe(num_seqs, ctx_len, 1, seconds / forwards)
+        if self.draft_latency is not None and forwards:   # a probe's catch-up is not a draft forward
+            self.draft_latency.observe(num_seqs, ctx_len, 1, max(seconds - self._catch_up_seconds, 1e-6) / forwards)
             return
         per = seconds / max(num_seqs, 1)
         self.draft_time = per if self.draft_time is None else 0.8 * self.draft_time + 0.2 * per
@@ -625,7 +651,7 @@ def build_controller(cfg, llm) -> DraftController | None:
     elif cfg.toggle or auto_budgets:
         latency = profiled_latency(llm)
         if cfg.toggle and model_drafters:
-            draft_latency = profiled_latency(llm, model_drafters[0], query_lens=(1,))
+            draft_latency = profiled_latency(llm, model_drafters[0], query_lens=(1, 8))   # 8: prices catch-ups
     classes = None
     if auto_budgets:    # DAS budgets per length class, from this machine's cost model
         max_k = llm.num_draft_tokens or max(cfg.draft_ladder)
