@@ -32,6 +32,7 @@ import json
 import math
 import os
 import re
+import statistics
 import sys
 from collections import deque
 from dataclasses import asdict, dataclass, replace
@@ -443,6 +444,9 @@ def _mean(xs):
 
 
 # ---- the CPU preset, calibrated here --------------------------------------------------------------------------
+CALIBRATIONS = 3    # fits per rank, medians taken per field
+
+
 def cpu_preset(cfg: dict, threads: int = 1, where: str = "config.json", ranks: int = 1) -> Hardware:
     """This CPU, fitted to nanospec's own engine and trainer on a randomly initialised model of this
     shape, `ranks` processes calibrating at once as a run's ranks run (they share caches and memory
@@ -455,20 +459,21 @@ def cpu_preset(cfg: dict, threads: int = 1, where: str = "config.json", ranks: i
     info = Path("/proc/cpuinfo")
     cpu = next((ln.split(":", 1)[1].strip() for ln in info.read_text().splitlines() if ln.startswith("model name")),
                platform.processor()) if info.is_file() else platform.processor()
-    key = json.dumps([cfg, threads, ranks, cpu, os.cpu_count(), torch.__version__, 3], sort_keys=True, default=str)
+    key = json.dumps([cfg, threads, ranks, cpu, os.cpu_count(), torch.__version__, 5], sort_keys=True, default=str)
     path = cache_dir() / "profiles" / f"sim_cpu_{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
     if path.is_file():
         return Hardware(**json.loads(path.read_text()))
-    print(f"simulate: calibrating this CPU ({ranks} process(es) x {threads} thread(s), ~1 min; cached in {path})")
+    print(f"simulate: calibrating this CPU ({ranks} process(es) x {threads} thread(s), {CALIBRATIONS} fits each, "
+          f"~1 min; cached in {path})")
     ctx = multiprocessing.get_context("spawn")
     queue, barrier = ctx.Queue(), ctx.Barrier(ranks)
     procs = [ctx.Process(target=_calibrate_rank, args=(cfg, threads, where, barrier, queue)) for _ in range(ranks)]
     for p in procs:
         p.start()
-    fits = [queue.get(timeout=1800) for _ in procs]
+    fits = [queue.get(timeout=1800) for _ in range(CALIBRATIONS * ranks)]
     for p in procs:
         p.join()
-    med = lambda xs: sorted(xs)[len(xs) // 2]
+    med = statistics.median       # per field, over every rank's fits: one fit on this box is +-10%
     hw = Hardware(f"cpu x{ranks}", *(med([f[k] for f in fits]) for k in list(fits[0])[1:]))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(asdict(hw)))
@@ -476,7 +481,8 @@ def cpu_preset(cfg: dict, threads: int = 1, where: str = "config.json", ranks: i
 
 
 def _calibrate_rank(cfg, threads, where, barrier, queue) -> None:
-    queue.put(asdict(calibrate_cpu(cfg, threads, where, barrier.wait)))
+    for _ in range(CALIBRATIONS):
+        queue.put(asdict(calibrate_cpu(cfg, threads, where, barrier.wait)))
 
 
 def calibrate_cpu(cfg: dict, threads: int, where: str, sync=lambda: None) -> Hardware:
@@ -487,7 +493,8 @@ def calibrate_cpu(cfg: dict, threads: int, where: str, sync=lambda: None) -> Har
       2. engine steps of GRPO-like drains (the trainer's drafters and controller): greedy AR, then
          verify steps whose drafts are all accepted -> host time per step and per row beyond the
          forward; a verify step's extra and drafting per row;
-      3. trainer steps (grpo.completion_logprobs over micro_batches, backward, AdamW) on varied
+      3. trainer steps (grpo.completion_logprobs over micro_batches, TIS + the clipped surrogate,
+         backward, gradient clipping, AdamW) on varied
          lengths -> train_mfu, train_overhead_s; a tensor copy -> interconnect_bw (ranks on one host
          exchange through its memory)."""
     import time
@@ -499,6 +506,7 @@ def calibrate_cpu(cfg: dict, threads: int, where: str, sync=lambda: None) -> Har
     from nanospec.engine.sequence import SamplingParams
     from nanospec.models.decoder import CausalLM, ModelArgs
     from nanospec.rl.grpo import completion_logprobs, make_microbatch, micro_batches
+    from nanospec.rl.loss import policy_loss, tis_weights
     from nanospec.rl.rollout import Sample
     torch.set_num_threads(threads)
     torch.manual_seed(0)
@@ -542,7 +550,7 @@ def calibrate_cpu(cfg: dict, threads: int, where: str, sync=lambda: None) -> Har
         return out
     sync()
     fit = lambda X, y, t: nnls(np.array(X) / np.array(t)[:, None], np.array(y) / np.array(t))[0]
-    ar = [s for seed in (1, 2) for s in drain_steps(False, seed)]
+    ar = [s for seed in (1, 2, 5, 6) for s in drain_steps(False, seed)]
     a, b = fit([[1.0, B] for B, *_ in ar], [t - pred(hw, B, C, 1) for B, C, _, t in ar], [s[3] for s in ar])
     hw = replace(hw, step_overhead_s=hw.step_overhead_s + a, seq_overhead_s=hw.seq_overhead_s + b)
     for seed in (3, 4):
@@ -562,9 +570,12 @@ def calibrate_cpu(cfg: dict, threads: int, where: str, sync=lambda: None) -> Har
         lens = [(plen[i // 8], int(2 * 64 ** float(torch.rand(1, generator=g)))) for i in range(n)]
         samples = [Sample(None, i, [5] * p, [7] * L, [0.0] * L, [False] * L, "length") for i, (p, L) in enumerate(lens)]
         t0 = time.perf_counter()
-        for idx in micro_batches(samples, 1):
-            mb = make_microbatch([samples[i] for i in idx], torch.zeros(len(idx)), 0, "cpu")
-            (-(completion_logprobs(policy, mb, 1.0) * mb.mask).sum()).backward()
+        for idx in micro_batches(samples, 1):     # Trainer.learn's loss: TIS weights, clipped surrogate
+            mb = make_microbatch([samples[i] for i in idx], torch.randn(len(idx)), 0, "cpu")
+            logp = completion_logprobs(policy, mb, 1.0)
+            w, _ = tis_weights(logp.detach(), mb.rollout_lp, mb.mask, 2.0)
+            policy_loss(logp, logp.detach(), mb.adv, mb.mask, num_seqs_global=n, tis_weight=w)[0].backward()
+        torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         return lens, time.perf_counter() - t0
