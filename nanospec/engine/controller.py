@@ -484,14 +484,14 @@ class DraftController:
     def _probe_rows(self, seqs, ks, cap: int) -> list[int]:
         """A probe step and nothing else: only `probe_rows` rows draft. A drafter with its own KV (self_nf4,
         draft model) first catches up on every token since it last drafted for a row: one forward of its
-        model over all of them. A probe may spend on that catch-up 1/probe_every of the target time it
-        waited (`waited` steps of this batch), so probing adds at most ~1/probe_every to the time a
-        drafter stays off: a small draft model catches up on a long-lagging row (at batch 1 there are no
-        fresh rows, and acceptance at response starts alone misjudges it), while a full-size drafter
-        (nf4 of the policy) waits for rows it is nearly current on -- fresh rows, whose prompt it saw at
-        the prefill -- or for a budget grown large enough. Without such a row the probe is postponed.
-        Such a probe drafts 2 tokens: with doubling gaps its cost (~2 draft forwards + the catch-up)
-        fades, where a probe of the whole rung (12 forwards) cost an always-wrong drafter 12%."""
+        model over all of them. A probe may catch up one such row, when that costs at most 1/probe_every
+        of the target time it waited (`waited` steps of this batch): a small draft model is then measured
+        mid-response (at batch 1 no row is fresh, and acceptance at response starts alone misjudges it),
+        while a full-size drafter (nf4 of the policy) waits for rows it is nearly current on -- fresh
+        rows, whose prompt it saw at the prefill -- or for a budget grown large enough. Without such a
+        row the probe is postponed. Such a probe drafts 2 tokens, each a forward of the drafter (a probe
+        of the whole rung, 12 forwards at batch 1, cost an always-wrong drafter 12%): its cost, about 3
+        draft forwards, recurs once per gap, which doubles while the drafter stays off."""
         probing = [n for n, v in self._pays.items() if v is None]
         lag = lambda i: len(seqs[i]) - seqs[i].num_draft_computed
         rows = sorted(range(len(seqs)), key=lag)
@@ -499,17 +499,15 @@ class DraftController:
             waited = max(self._probing[n][0] for n in probing if n in self.kv_sources)
             ctx = sum(len(s) for s in seqs) / len(seqs)
             budget = waited / self.probe_every * self.toggle.latency.predict(len(seqs), ctx, 1)
-            keep = []
-            for i in rows:
-                if lag(i) > cap + 1:     # one forward over the lagging tokens before the first draft
-                    cost = self.draft_latency.predict(1, seqs[i].num_draft_computed, lag(i)) \
-                        if self.draft_latency is not None else math.inf
-                    if cost > budget:
-                        break
-                    budget -= cost
+            current = [i for i in rows if lag(i) <= cap + 1]
+            stale = [i for i in rows if lag(i) > cap + 1][:1]   # one row measures acceptance mid-response
+            for i in stale:              # one forward over its lagging tokens before the first draft
+                cost = self.draft_latency.predict(1, seqs[i].num_draft_computed, lag(i)) \
+                    if self.draft_latency is not None else math.inf
+                if cost <= budget:
+                    current.append(i)
                     self._catch_up_seconds += cost
-                keep.append(i)
-            rows = keep
+            rows = current
             if not rows:
                 for n in probing:      # postponed, not skipped: probe at the next step, gap not doubled
                     if n in self._probing:
