@@ -4,7 +4,8 @@
 
 1. Engine vs `transformers.generate`: greedy, EOS ignored, batch 1 / 16 / 64, median of --repeats
    interleaved runs (the `engine` suite's method, on the real model).
-2. Every drafter vs AR on GSM8K rollouts: P test prompts x G samples at T=1, as a GRPO step makes them.
+2. Every drafter vs AR on GSM8K rollouts: P test prompts x G samples at T=1 (`--temperature`), as a GRPO
+   step makes them.
    Each variant is a fresh engine over the one shared model; all variants make passes 0..max(history)+reps-1
    over the same prompts with new seeds each pass, interleaved pass by pass (the order reversed every
    other pass); a row for history h sums
@@ -101,7 +102,7 @@ def rollouts(model_dir, model, tok, opts, workdir) -> list[dict]:
     acc = {}                                 # (name, pass) -> seconds, tokens, summary, policy stats
     keys = list(range(len(prompts)))
     for p in range(max(timed) + opts.reps):  # pass p: the drafters have seen p earlier rollouts
-        params = SamplingParams(temperature=1.0, max_tokens=opts.max_tokens, n=opts.G, seed=100 + p)
+        params = SamplingParams(temperature=opts.temperature, max_tokens=opts.max_tokens, n=opts.G, seed=100 + p)
         order = list(engines.items())
         for name, llm in order if p % 2 == 0 else order[::-1]:   # ABC CBA ...: no variant always runs first
             if llm.drafter is not None:
@@ -137,6 +138,7 @@ def run(args) -> list[dict]:
     ap.add_argument("--prompts", type=int, default=1)
     ap.add_argument("--G", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--temperature", type=float, default=1.0, help="rollout temperature (GRPO samples at 1.0)")
     ap.add_argument("--history", default="0,1,5", help="timed passes: earlier rollouts the drafters have seen")
     ap.add_argument("--reps", type=int, default=3, help="timed passes per history point (h .. h+reps-1)")
     ap.add_argument("--batches", default="1,16,64")
