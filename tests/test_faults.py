@@ -68,7 +68,8 @@ def test_kill_a_rank_anywhere_and_resume_exactly(tmp_path):
     seed = random.randrange(10**6)
     rng = random.Random(seed)
     rank = lambda: rng.randrange(2)
-    faults = [f"rollout:3:{rank()}:{rng.randint(1, min(6, engine_steps(ref[3])))}",      # mid-rollout of step 3 (after the step-2 save)
+    n = min(6, engine_steps(ref[3]))
+    faults = [f"rollout:3:{rank()}:{rng.randint(1, n)}",       # mid-rollout of step 3 (after the step-2 save)
               f"optimizer:3:{rank()}:1",                      # mid-optimizer step, after a resume
               f"save:4:0:{rng.randint(1, 3)}" if rng.random() < 0.5 else "save:4:1:1"]   # mid-save
     run = tmp_path / "run"
