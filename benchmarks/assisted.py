@@ -10,8 +10,9 @@ at 0 the draft computes exactly the target's logits (always agrees), in between 
 fourth setting negates the draft's final norm, so its argmax is the target's least likely token (always
 wrong). Every variant decodes the same GSM8K chat prompts one at a time (batch 1), greedy, EOS ignored;
 `same_tokens` checks every variant's output against transformers' plain greedy output. Variants are
-interleaved per round (the first round is a warm-up), and each row reports the median round;
-`vs_nanospec_ar` is the median of per-round ratios (each round's AR time over the row's).
+interleaved per round (the first round is a warm-up), and each row reports the median round; every
+ratio (`speedup` over transformers' assisted generation, `vs_nanospec_ar`, `vs_best_fixed_k` over the
+fixed k with the lowest median) is the median of per-round ratios of the two variants' times.
 """
 import argparse
 import statistics

@@ -235,9 +235,10 @@ def test_policy_toggles_each_drafter_on_its_own_acceptance_and_probes_with_backo
 
 
 def test_probes_of_a_drafter_with_its_own_kv_wait_for_fresh_rows():
-    """An off self-drafter / draft model is probed only on rows whose drafter KV is current: catching
-    up on 30 tokens per row costs a forward over all of them, more than any probe can win back. A due
-    probe waits for fresh rows (here: requests just prefilled) and then drafts 2 tokens on `probe_rows` of them."""
+    """An off self-drafter / draft model whose catch-up cannot be priced (no draft latency model here) is
+    probed only on rows whose drafter KV is current: catching up on 30 tokens is a forward over all of
+    them. A due probe waits for fresh rows (here: requests just prefilled) and then drafts 2 tokens on
+    `probe_rows` of them."""
     from nanospec.engine.controller import DraftController
     lat = LatencyModel(coef=[1, 0, 0.01, 0, 0, 0])
     pol = DraftController(toggle=SpeculationToggle(lat, 1.05), probe_every=2, probe_every_max=8,

@@ -576,8 +576,9 @@ class DraftController:
             self._step_draft_seconds += any_k + per_token * forwards + self._catch_up_seconds
             return
         self._step_draft_seconds += seconds
-        if self.draft_latency is not None and forwards:   # a probe's catch-up is not a draft forward
-            self.draft_latency.observe(num_seqs, ctx_len, 1, max(seconds - self._catch_up_seconds, 1e-6) / forwards)
+        if self.draft_latency is not None and forwards:
+            if not self._catch_up_seconds:    # a probe's catch-up forward is not a draft forward
+                self.draft_latency.observe(num_seqs, ctx_len, 1, seconds / forwards)
             return
         per = seconds / max(num_seqs, 1)
         self.draft_time = per if self.draft_time is None else 0.8 * self.draft_time + 0.2 * per
