@@ -9,7 +9,6 @@ row draws). In that mode two runs agree on every metric that does not measure ti
 run must too.
 """
 import hashlib
-import json
 import os
 import random
 import subprocess
@@ -17,6 +16,7 @@ import subprocess
 import pytest
 
 from conftest import ROOT
+from nanospec.config import read_jsonl
 from nanospec.rl.checkpoint import list_checkpoints, resume_point, verify_checkpoint
 from nanospec.soak import RUN, untimed, write_profile    # the soak script's short default run
 
@@ -33,7 +33,7 @@ def train(shared, out, *extra, fault=None, ok=True):
 
 
 def metrics(out) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r for _, r in read_jsonl(out / "metrics.jsonl")]
 
 
 def engine_steps(rec: dict) -> int:

@@ -465,7 +465,7 @@ class DraftController:
             cap = max(self._rung(n, max_k) if v is None else v for n, v in self._pays.items())
             ks = [min(k, cap) for k in ks]
             if cap and not any(self._pays.values()):
-                ks = self._probe_rows(seqs, ks, cap)
+                ks = self._probe_rows(seqs, ks, cap, ctx)
         return ks
 
     def _could_pay(self, batch_size: int, ctx_len: float, max_k: int) -> bool:
@@ -481,7 +481,7 @@ class DraftController:
         pure cost (an nf4 forward on CPU dequantizes every layer)."""
         return self.toggle is None or not self.kv_sources or self._could_pay(1, ctx_len, max_k)
 
-    def _probe_rows(self, seqs, ks, cap: int) -> list[int]:
+    def _probe_rows(self, seqs, ks, cap: int, ctx: float) -> list[int]:
         """A probe step and nothing else: only `probe_rows` rows draft. A drafter with its own KV (self_nf4,
         draft model) first catches up on every token since it last drafted for a row: one forward of its
         model over all of them. A probe may catch up one such row, when that costs at most 1/probe_every
@@ -497,7 +497,6 @@ class DraftController:
         rows = sorted(range(len(seqs)), key=lag)
         if any(n in self.kv_sources for n in probing):
             waited = max(self._probing[n][0] for n in probing if n in self.kv_sources)
-            ctx = sum(len(s) for s in seqs) / len(seqs)
             budget = waited / self.probe_every * self.toggle.latency.predict(len(seqs), ctx, 1)
             current = [i for i in rows if lag(i) <= cap + 1]
             stale = [i for i in rows if lag(i) > cap + 1][:1]   # one row measures acceptance mid-response
@@ -510,8 +509,7 @@ class DraftController:
             rows = current
             if not rows:
                 for n in probing:      # postponed, not skipped: probe at the next step, gap not doubled
-                    if n in self._probing:
-                        self._gap[n][:] = [self._probing[n][0], self._probing[n][1]]
+                    self._gap[n][:] = self._probing[n]
             cap = min(cap, 2)          # its every draft token costs a forward: 2 measure acceptance
         keep = set(rows[:self.probe_rows])
         return [min(k, cap) if i in keep else 0 for i, k in enumerate(ks)]
