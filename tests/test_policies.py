@@ -209,7 +209,7 @@ def test_policy_toggles_each_drafter_on_its_own_acceptance_and_probes_with_backo
     lat = LatencyModel(coef=[1, 0, 0.01, 0, 0, 0])       # t = 1 + 0.01*B*Q: B=8, k=4 verify 1.32x a decode
     pol = DraftController(toggle=SpeculationToggle(lat, 1.05), probe_every=2, probe_every_max=8, probe_rows=1)
     seqs = [type("S", (), {"num_completion_tokens": 5, "__len__": lambda self: 20})() for _ in range(8)]
-    for _ in range(8):
+    for _ in range(64):    # enough evidence that even the optimistic bound (one standard error up) is off
         pol.observe_acceptance("good", 4, 4)
         pol.observe_acceptance("bad", 4, 0)
     assert pol.alpha("good") == 1.0 and pol.alpha("bad") == 0.0 and pol.alpha("new") == 0.8
@@ -223,11 +223,13 @@ def test_policy_toggles_each_drafter_on_its_own_acceptance_and_probes_with_backo
         kept.append(sum(len(t) > 0 for t in out[1::2]))
     assert kept == [0, 1, 0, 0, 0, 1] + [0] * 7 + [1, 0, 0]      # probes after gaps 2, 4, 8, 8 (max)
     assert pol.stats()["spec_on_frac"] == 1.0
-    for _ in range(200):
-        pol.observe_acceptance("good", 4, 0)                          # the good one goes bad: alpha ~0.14
-    pol.reset_stats()
-    assert pol.budgets(seqs, 4) == [1] * 8      # one draft token still pays (1.06x), four would not
-    pol.toggle.min_speedup = 1.1
+    pol = DraftController(toggle=SpeculationToggle(lat, 1.05), sources=["weak"])
+    for accepted, rows in ((0, 170), (1, 26), (2, 4)):        # i.i.d. acceptance ~0.15 per position
+        for _ in range(rows):
+            pol.observe_acceptance("weak", 4, accepted)
+    assert pol.acceptance.rates("weak")[:2] == [pytest.approx(0.15, abs=0.02), pytest.approx(0.13, abs=0.03)]
+    assert pol.budgets(seqs, 4) == [1] * 8      # one draft token still pays (1.08x), four would not
+    pol.toggle.min_speedup = 1.15               # nor does one, even at the optimistic bound (1.11x)
     pol.reset_stats()
     assert pol.budgets(seqs, 4) == [0] * 8 and pol.stats()["spec_on_frac"] == 0.0   # nothing pays: no drafting
     with pytest.raises(ValueError, match="probe_every"):
@@ -243,7 +245,7 @@ def test_probes_of_a_drafter_with_its_own_kv_wait_for_fresh_rows():
     lat = LatencyModel(coef=[1, 0, 0.01, 0, 0, 0])
     pol = DraftController(toggle=SpeculationToggle(lat, 1.05), probe_every=2, probe_every_max=8,
                           probe_rows=2, sources=["self"], kv_sources=["self"])
-    for _ in range(8):
+    for _ in range(64):
         pol.observe_acceptance("self", 4, 0)
     row = lambda n, done: type("S", (), {"num_completion_tokens": 5, "__len__": lambda self: n,
                                          "num_draft_computed": done})()
@@ -252,7 +254,7 @@ def test_probes_of_a_drafter_with_its_own_kv_wait_for_fresh_rows():
     fresh = stale[:3] + [row(21, 20), row(23, 20), row(21, 20)]
     assert pol.budgets(fresh, 4) == [0, 0, 0, 2, 0, 2]            # the two rows of lag 1, 2 tokens each
     plain = DraftController(toggle=SpeculationToggle(lat, 1.05), probe_every=2, probe_rows=2, sources=["ngram"])
-    for _ in range(8):
+    for _ in range(64):
         plain.observe_acceptance("ngram", 4, 0)
     assert [plain.budgets(stale, 4) for _ in range(2)][-1] == [4, 4, 0, 0, 0, 0]   # no KV: any rows
 
@@ -268,7 +270,7 @@ def test_a_probe_catches_a_kv_drafter_up_within_the_time_it_waited():
     def probe_steps(draft_coef):
         pol = DraftController(toggle=SpeculationToggle(lat, 1.05), probe_every=2, probe_every_max=64, probe_rows=1,
                               sources=["self"], kv_sources=["self"], draft_latency=LatencyModel(coef=draft_coef))
-        for _ in range(8):
+        for _ in range(200):
             pol.observe_acceptance("self", 4, 0)
         row = type("S", (), {"num_completion_tokens": 5, "__len__": lambda self: 40, "num_draft_computed": 10})()
         return [i for i in range(16) if pol.budgets([row], 4) == [2]]      # a probe drafts 2 tokens
@@ -287,7 +289,7 @@ def test_a_drafter_too_slow_to_pay_even_when_always_right_is_never_probed_nor_pr
                             draft_latency=LatencyModel(coef=[0.01, 0, 0, 0, 0, 0]))
     row = lambda: type("S", (), {"num_completion_tokens": 5, "__len__": lambda self: 21, "num_draft_computed": 20})()
     for pol in (slow, cheap):
-        for _ in range(8):
+        for _ in range(64):
             pol.observe_acceptance("self", 4, 0)                 # always wrong so far: toggled off
     assert all(slow.budgets([row() for _ in range(4)], 4) == [0] * 4 for _ in range(16))
     assert any(any(cheap.budgets([row() for _ in range(4)], 4)) for _ in range(16))
@@ -458,7 +460,12 @@ def test_llm_is_adaptive_by_default_and_fixed_k_on_request(tmp_path, monkeypatch
     auto, fixed = runs["auto"], runs[None]
     assert isinstance(auto.controller, DraftController) and auto.controller.toggle is not None
     assert auto.controller.ladder is None and auto.controller.classes is None and fixed.controller is None
-    assert fixed.stats["proposed_tokens"] >= 4 * 39 and auto.stats["proposed_tokens"] <= 24
+    # the optimistic bound drafts until the evidence is in: a few dozen drafts of 1 token, each a verify
+    # step that costs about a decode here (the bound needs more evidence the cheaper a draft is)
+    assert fixed.stats["proposed_tokens"] >= 4 * 39 and auto.stats["proposed_tokens"] <= 96
+    auto.reset_stats()
+    assert [o.token_ids for o in auto.generate(prompts, sp, use_tqdm=False)] == ar
+    assert auto.stats["proposed_tokens"] <= 16              # then only probes: 2 (gaps 16, 32) x 2 rows x k=4
     assert len(list((tmp_path / "cache" / "profiles").glob("*.json"))) == 1
     monkeypatch.setattr(LLM, "time_forward", lambda *a, **k: pytest.fail("profiled again despite the cache"))
     LLM(d, max_model_len=64, speculative={"method": "ngram", "num_draft_tokens": 4})
@@ -469,7 +476,7 @@ def test_llm_is_adaptive_by_default_and_fixed_k_on_request(tmp_path, monkeypatch
     auto.drafter = fixed.drafter = fixed.controller = None
     state, rate = engine_state(auto), auto.controller.alpha("wrong")
     auto.controller.reset_stats()
-    auto.controller._tally.clear()
+    auto.controller.acceptance.counts.clear()
     load_engine_state(auto, state)
     assert auto.controller.alpha("wrong") == rate < 0.5
     with pytest.warns(UserWarning, match="earlier nanospec"):

@@ -22,13 +22,21 @@ from nanospec.config import check, is_int
 from nanospec.engine.latency import LatencyModel, profiled_latency, replayed_profile
 
 
-def expected_accepted(alpha: float, k: int) -> float:
+def _rates(alpha: float | Sequence[float], k: int) -> list[float]:
+    """Conditional acceptance at draft positions 0..k-1: a float is the same at every position; a
+    sequence gives P(draft j accepted | drafts before it were) per position, its last entry repeated."""
+    rates = [alpha] * k if isinstance(alpha, (int, float)) else list(alpha[:k]) + [alpha[-1]] * (k - len(alpha))
+    check(all(0.0 <= a <= 1.0 for a in rates), "alpha", "probabilities in [0, 1]", alpha)
+    return rates
+
+
+def expected_accepted(alpha: float | Sequence[float], k: int) -> float:
     """E[accepted drafts] of k, each accepted w.p. alpha until the first rejection:
     (1 - alpha^(k+1)) / (1 - alpha) - 1 (Leviathan et al. eq. 1 minus the bonus token)
-    = alpha + ... + alpha^k, summed directly so alpha = 1 gives k without cancellation."""
-    check(0.0 <= alpha <= 1.0, "alpha", "a probability in [0, 1]", alpha)
+    = alpha + ... + alpha^k, summed directly so alpha = 1 gives k without cancellation. With a rate per
+    position (`_rates`): a_0 + a_0 a_1 + ... + a_0 ... a_(k-1)."""
     check(is_int(k) and k >= 0, "k", "an int >= 0", k)
-    return float(sum(alpha ** i for i in range(1, k + 1)))
+    return float(sum(itertools.accumulate(_rates(alpha, k), operator.mul)))
 
 
 def _speedup(latency, batch_size, ctx_len, k, expected_accepted_tokens, draft_time, t_ar) -> float:
@@ -38,16 +46,16 @@ def _speedup(latency, batch_size, ctx_len, k, expected_accepted_tokens, draft_ti
     return (expected_accepted_tokens + 1) * t_ar / (draft_time + latency.predict(batch_size, ctx_len, k + 1))
 
 
-def best_k(latency: LatencyModel, batch_size: float, ctx_len: float, alpha: float,
+def best_k(latency: LatencyModel, batch_size: float, ctx_len: float, alpha: float | Sequence[float],
            max_k: int = 8, draft_time: float = 0.0, draft_time_per_token: float = 0.0) -> tuple[int, float]:
     """The k in 1..max_k with the highest predicted speedup, drafting k tokens costing
     draft_time + k * draft_time_per_token seconds: a history drafter's propose() costs about the same
-    for any k, a model drafter runs one forward of its own per draft token. Ties go to the shorter draft."""
+    for any k, a model drafter runs one forward of its own per draft token. `alpha`: one acceptance
+    rate, or one per draft position (`_rates`). Ties go to the shorter draft."""
     check(is_int(max_k) and max_k >= 1, "max_k", "an int >= 1", max_k)
-    check(0.0 <= alpha <= 1.0, "alpha", "a probability in [0, 1]", alpha)
     t_ar, best, accepted, alpha_k = latency.predict(batch_size, ctx_len, 1), (1, -1.0), 0.0, 1.0
-    for k in range(1, max_k + 1):      # expected_accepted(alpha, k), summed as k grows
-        alpha_k *= alpha
+    for k, a in enumerate(_rates(alpha, max_k), 1):     # expected_accepted(alpha, k), summed as k grows
+        alpha_k *= a
         accepted += alpha_k
         s = _speedup(latency, batch_size, ctx_len, k, accepted, draft_time + k * draft_time_per_token, t_ar)
         if s > best[1]:
@@ -122,6 +130,51 @@ class ConfidenceCalibration:
                 counts[:] = [x / 2 for x in counts]
 
 
+class PositionalAcceptance:
+    """Per source, P(draft j accepted | drafts 0..j-1 were) at each draft position j.
+
+    Why not one rate: acceptance is not i.i.d. A draft that survived its first tokens is on a span the
+    drafter knows, so later positions are accepted more often (the mostly-agreeing draft model of
+    `bench.py --suite assisted`: docs/results.md). One pooled rate underprices the later drafts: there
+    it tied k=3 with k=2 and picked the shorter one, which measured slower.
+    Estimate: r_j = (accepted_j + m * r_(j-1)) / (tested_j + m), shrunk toward the position before
+    (toward `prior` at position 0), so a position not drafted yet is priced like the last one measured
+    and gets tried when that pays. A verify row tests its positions up to and including the first
+    rejection. A source's counts halve once it has `max_count` tested drafts, so the rates follow the
+    current weights.
+    """
+
+    def __init__(self, prior: float = 0.8, positions: int = 16, prior_weight: float = 4.0, max_count: int = 256):
+        check(0.0 <= prior <= 1.0, "prior", "a probability in [0, 1]", prior)
+        self.prior, self.positions, self.m, self.max_count = prior, positions, prior_weight, max_count
+        self.counts: dict[str, tuple[list[float], list[float]]] = {}   # source -> (tested, accepted) per position
+
+    def observe(self, source: str, proposed: int, accepted: int) -> None:
+        tested, acc = self.counts.setdefault(source, ([0.0] * self.positions, [0.0] * self.positions))
+        for j in range(min(accepted + 1, proposed, self.positions)):
+            tested[j] += 1.0
+            acc[j] += j < accepted
+        if sum(tested) > self.max_count:
+            tested[:], acc[:] = [x / 2 for x in tested], [x / 2 for x in acc]
+
+    def rates(self, source: str, optimism: float = 0.0) -> list[float]:
+        """Conditional acceptance per position (`best_k`, `expected_accepted`); [prior] if unseen. With
+        `optimism` z, each rate is raised by z standard errors, sqrt(r (1 - r) / (tested + m)): an upper
+        confidence bound, wide where a position has little data."""
+        if source not in self.counts:
+            return [self.prior]
+        out, r = [], self.prior
+        for t, a in zip(*self.counts[source]):
+            r = (a + self.m * r) / (t + self.m)
+            out.append(min(1.0, r + optimism * math.sqrt(r * (1.0 - r) / (t + self.m))))
+        return out
+
+    def pooled(self, source: str) -> float | None:
+        """accepted / (accepted + rejections) over all positions: the geometric MLE; None if no data."""
+        tested, acc = self.counts.get(source, ((), ()))
+        return sum(acc) / sum(tested) if sum(tested) else None
+
+
 class SpeculationToggle:
     """System-aware on/off (EfficientRollout): speculate this step iff predicted speedup >= min_speedup.
     The engine passes the *measured* draft time, so a drafter that is slow on this machine (the nf4
@@ -132,13 +185,21 @@ class SpeculationToggle:
         self.latency, self.min_speedup = latency, min_speedup
         self.reset_stats()
 
-    def choose(self, batch_size: float, ctx_len: float, max_k: int, alpha: float,
-               draft_time: float, draft_time_per_token: float = 0.0) -> tuple[int, float]:
+    def choose(self, batch_size: float, ctx_len: float, max_k: int, alpha: float | Sequence[float],
+               draft_time: float, draft_time_per_token: float = 0.0,
+               optimistic: float | Sequence[float] | None = None) -> tuple[int, float]:
         """The draft length to use this step: the k <= max_k (the ladder's rung) with the highest
         predicted speedup, or 0 when even that one is below min_speedup. At large batch a CPU verify is
-        compute-bound (every draft token costs about a decoded token), so there the best k is short."""
+        compute-bound (every draft token costs about a decoded token), so there the best k is short.
+        `optimistic`: upper-bound rates, used when `alpha` says off. An off drafter is measured only by
+        rare probes, so turning it off on a few unlucky rejections would leave a good drafter off for
+        hundreds of steps; drafting while the upper bound pays (optimism under uncertainty) gathers the
+        evidence at full rate, and a bad drafter's bound falls below the threshold within a few drafts."""
         k, s = best_k(self.latency, batch_size, ctx_len, alpha, max_k=max_k, draft_time=draft_time,
                       draft_time_per_token=draft_time_per_token)
+        if s < self.min_speedup and optimistic is not None:
+            k, s = best_k(self.latency, batch_size, ctx_len, optimistic, max_k=max_k, draft_time=draft_time,
+                          draft_time_per_token=draft_time_per_token)
         return (k if self._count(s >= self.min_speedup, s) else 0), s
 
     def _count(self, on: bool, s: float) -> bool:
@@ -397,10 +458,10 @@ class DraftController:
         self.confident = set(confident_sources)   # sources whose proposals carry per-token confidence
         self.kv_sources = set(kv_sources)          # sources that keep their own KV (catch up before drafting)
         self.calibration = ConfidenceCalibration()
+        self.acceptance = PositionalAcceptance(default_alpha)   # per source and draft position
         self.draft_latency = draft_latency   # seconds of one forward of the drafter's own model, if any
         self.draft_time = draft_time    # EMA seconds of a history drafter's propose() per sequence
         self.replay = replay
-        self._tally: dict[str, list[float]] = {}    # no ladder: per source recent accepted, rejections
         self._gap: dict[str, list[int]] = {}        # per source: [steps since last probe, probe gap]
         self._pays: dict[str, int | None] = {}      # this step, per source: draft length (0 = off), None = probe
         self._probing: dict[str, tuple[int, int]] = {}   # sources probed this step: (steps waited, gap)
@@ -411,13 +472,9 @@ class DraftController:
         self._step_draft_seconds = 0.0               # this step's propose() time, for the guard
 
     def alpha(self, source: str) -> float:
-        """Per-token acceptance of `source`: the ladder's window rate, or without a ladder a recent
-        tally; the default before the first measurement."""
-        if self.ladder is not None:
-            rate = self.ladder.acceptance_rate(source)
-        else:
-            a, r = self._tally.get(source, (0, 0))
-            rate = a / (a + r) if a + r else None
+        """Per-token acceptance of `source`, pooled over draft positions; the default before the first
+        measurement. The toggle prices drafts with the per-position rates (`PositionalAcceptance`)."""
+        rate = self.acceptance.pooled(source)
         return self.default_alpha if rate is None else rate
 
     def _rung(self, source: str, max_k: int) -> int:
@@ -425,7 +482,7 @@ class DraftController:
         return min(self.ladder.current(source), max_k) if self.ladder is not None else max_k
 
     def budgets(self, seqs, max_k: int) -> list[int]:
-        seen = self.ladder.names if self.ladder is not None else list(self._tally)
+        seen = list(self.acceptance.counts)
         sources = list(dict.fromkeys(self.sources + seen)) or [""]
         k = max(self._rung(n, max_k) for n in sources)
         ks = [k] * len(seqs)
@@ -450,7 +507,8 @@ class DraftController:
                     self._pays[n] = self._rung(n, max_k)
                     continue
                 kn, _ = self.toggle.choose(len(seqs), ctx, min(self._rung(n, max_k), max(ks)),
-                                           self.alpha(n), *self.draft_cost(len(seqs), ctx))
+                                           self.acceptance.rates(n), *self.draft_cost(len(seqs), ctx),
+                                           optimistic=self.acceptance.rates(n, optimism=1.0))
                 gap = self._gap.setdefault(n, [0, self.probe_every])
                 if kn:
                     gap[:] = [0, self.probe_every]
@@ -551,7 +609,7 @@ class DraftController:
                 cond = [self.calibration(src, j, x) for j, x in enumerate(c[:len(t)])]
                 cand.append(list(itertools.accumulate(cond, operator.mul)))
             elif t:
-                E += expected_accepted(self.alpha(sources[i]), len(t))
+                E += expected_accepted(self.acceptance.rates(sources[i]), len(t))
                 fixed += len(t)
         any_k, per_token = self.draft_cost(B, ctx)
         T = any_k + per_token * max(map(len, tokens)) + lat.predict(B, ctx, 1 + fixed / B)
@@ -605,14 +663,9 @@ class DraftController:
         """One verify step of one row; `confidence` of its drafts (sampled rows) trains the calibration."""
         if confidence is not None:
             self.calibration.observe(source, confidence[:proposed], accepted)
+        self.acceptance.observe(source, proposed, accepted)
         if self.ladder is not None:
             self.ladder.update(source, proposed, accepted)
-            return
-        t = self._tally.setdefault(source, [0.0, 0.0])
-        t[0] += accepted
-        t[1] += int(accepted < proposed)
-        if t[0] + t[1] > 256:                  # halve: the tally follows the current policy weights
-            t[0], t[1] = t[0] / 2, t[1] / 2
 
     def stats(self) -> dict:
         out = {"spec_on_frac": self._on_steps / max(self._steps, 1)}

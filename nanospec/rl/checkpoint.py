@@ -210,7 +210,7 @@ def flat_loads(data: bytes):
     return Flat(io.BytesIO(root)).load()
 
 
-ENGINE_STATE_VERSION = 2      # 2: engine/controller.py, a 6-feature LatencyModel
+ENGINE_STATE_VERSION = 3      # 3: per-position acceptance in the controller
 
 
 def engine_state(llm) -> dict:
