@@ -8,9 +8,9 @@
    step makes them.
    Each variant is a fresh engine over the one shared model; all variants make passes 0..max(history)+reps-1
    over the same prompts with new seeds each pass, interleaved pass by pass (the order reversed every
-   other pass); a row for history h sums
-   passes h .. h + reps - 1 (one pass of 8 rows is a few seconds, and this shared box drifts by ~10%
-   between two of them): there the drafters have seen h (and more) earlier rollouts of these prompts
+   other pass); a row for history h covers passes h .. h + reps - 1, its speedup the median of their
+   per-pass tokens/s ratios to AR (one pass of 8 rows is a few seconds, and this shared box drifts by
+   ~10% between passes): there the drafters have seen h (and more) earlier rollouts of these prompts
    (the prior-rollout store, the suffix trees), as they would after that many GRPO epochs. `+policies` rows
    run the trainer's controller (cost-model toggle, per-token trimming, draft-length ladder; the
    `speculation` config defaults); next to each row's measured speedup stands the toggle's verdict (the
@@ -115,15 +115,17 @@ def rollouts(model_dir, model, tok, opts, workdir) -> list[dict]:
             acc[name, p] = (time.perf_counter() - t0, sum(len(o.token_ids) for o in outs), llm.summary(),
                             llm.controller.stats() if llm.controller is not None else {})
     rows = []
-    for h in timed:         # passes h .. h + reps - 1, summed; the stats are those of pass h
-        total = lambda name: [sum(acc[name, p][i] for p in range(h, h + opts.reps)) for i in (0, 1)]
-        ar_seconds, ar_tokens = total("AR")
-        base = ar_tokens / ar_seconds
+    rate = lambda name, p: acc[name, p][1] / acc[name, p][0]       # tokens / s of one pass
+    for h in timed:         # passes h .. h + reps - 1; the stats are those of pass h
+        passes = range(h, h + opts.reps)
         for name, llm in engines.items():
-            (seconds, tokens), (_, _, s, ps) = total(name), acc[name, h]
-            spec = llm.drafter is not None
+            seconds, tokens = (sum(acc[name, p][i] for p in passes) for i in (0, 1))
+            (_, _, s, ps), spec = acc[name, h], llm.drafter is not None
+            # median of per-pass ratios: both sides of a ratio ran minutes apart at most, so the box's
+            # drift between passes cancels (a ratio of sums would carry it)
+            speedup = statistics.median(rate(name, p) / rate("AR", p) for p in passes)
             rows.append(dict(name=f"h{h}: {name}", history=h, tokens=tokens, seconds=seconds,
-                             tokens_per_s=tokens / seconds, speedup=tokens / seconds / base,
+                             tokens_per_s=tokens / seconds, speedup=speedup,
                              target_forwards_per_token=s["target_forwards_per_token"],
                              acceptance_rate=s["acceptance_rate"] if spec else None,
                              toggle_on=ps.get("toggle_on_fraction"),

@@ -14,7 +14,7 @@ import math
 import operator
 from collections import defaultdict
 from dataclasses import replace
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -148,8 +148,10 @@ class PositionalAcceptance:
         check(0.0 <= prior <= 1.0, "prior", "a probability in [0, 1]", prior)
         self.prior, self.positions, self.m, self.max_count = prior, positions, prior_weight, max_count
         self.counts: dict[str, tuple[list[float], list[float]]] = {}   # source -> (tested, accepted) per position
+        self.version = 0            # bumped by every observation (the controller caches verdicts on it)
 
     def observe(self, source: str, proposed: int, accepted: int) -> None:
+        self.version += 1
         tested, acc = self.counts.setdefault(source, ([0.0] * self.positions, [0.0] * self.positions))
         for j in range(min(accepted + 1, proposed, self.positions)):
             tested[j] += 1.0
@@ -187,18 +189,18 @@ class SpeculationToggle:
 
     def choose(self, batch_size: float, ctx_len: float, max_k: int, alpha: float | Sequence[float],
                draft_time: float, draft_time_per_token: float = 0.0,
-               optimistic: float | Sequence[float] | None = None) -> tuple[int, float]:
+               optimistic: Callable[[], Sequence[float]] | None = None) -> tuple[int, float]:
         """The draft length to use this step: the k <= max_k (the ladder's rung) with the highest
         predicted speedup, or 0 when even that one is below min_speedup. At large batch a CPU verify is
         compute-bound (every draft token costs about a decoded token), so there the best k is short.
-        `optimistic`: upper-bound rates, used when `alpha` says off. An off drafter is measured only by
+        `optimistic()`: upper-bound rates, asked for when `alpha` says off. An off drafter is measured only by
         rare probes, so turning it off on a few unlucky rejections would leave a good drafter off for
         hundreds of steps; drafting while the upper bound pays (optimism under uncertainty) gathers the
         evidence at full rate, and a bad drafter's bound falls below the threshold within a few drafts."""
         k, s = best_k(self.latency, batch_size, ctx_len, alpha, max_k=max_k, draft_time=draft_time,
                       draft_time_per_token=draft_time_per_token)
         if s < self.min_speedup and optimistic is not None:
-            k, s = best_k(self.latency, batch_size, ctx_len, optimistic, max_k=max_k, draft_time=draft_time,
+            k, s = best_k(self.latency, batch_size, ctx_len, optimistic(), max_k=max_k, draft_time=draft_time,
                           draft_time_per_token=draft_time_per_token)
         return (k if self._count(s >= self.min_speedup, s) else 0), s
 
@@ -465,6 +467,7 @@ class DraftController:
         self._gap: dict[str, list[int]] = {}        # per source: [steps since last probe, probe gap]
         self._pays: dict[str, int | None] = {}      # this step, per source: draft length (0 = off), None = probe
         self._probing: dict[str, tuple[int, int]] = {}   # sources probed this step: (steps waited, gap)
+        self._verdicts: dict[str, tuple] = {}       # per source: (what the verdict depends on, k, speedup)
         self._catch_up_seconds = 0.0                 # this step's predicted catch-up forwards of a probe
         self._steps = self._on_steps = 0
         # the guard's margin: measured speedups are noisy, so never below 1.05 (auto runs the toggle at 1.0)
@@ -506,9 +509,7 @@ class DraftController:
                 if n in self.confident:       # decided per draft token in clip()
                     self._pays[n] = self._rung(n, max_k)
                     continue
-                kn, _ = self.toggle.choose(len(seqs), ctx, min(self._rung(n, max_k), max(ks)),
-                                           self.acceptance.rates(n), *self.draft_cost(len(seqs), ctx),
-                                           optimistic=self.acceptance.rates(n, optimism=1.0))
+                kn = self._verdict(n, len(seqs), ctx, min(self._rung(n, max_k), max(ks)))
                 gap = self._gap.setdefault(n, [0, self.probe_every])
                 if kn:
                     gap[:] = [0, self.probe_every]
@@ -525,6 +526,23 @@ class DraftController:
             if cap and not any(self._pays.values()):
                 ks = self._probe_rows(seqs, ks, cap, ctx)
         return ks
+
+    def _verdict(self, source: str, batch_size: int, ctx_len: float, max_k: int) -> int:
+        """The toggle's draft length for `source` this step. It is recomputed only when something it
+        depends on moved (batch size, rung, context by 32 tokens, acceptance data, a refit of a latency
+        model, the drafting cost, the threshold): most steps of an off drafter change none of them, and two best_k
+        sweeps per step were ~1% of a batch-1 decode step on CPU."""
+        any_k, per_token = self.draft_cost(batch_size, ctx_len)
+        key = (batch_size, max_k, int(ctx_len) // 32, self.acceptance.version, self.toggle.latency.fits,
+               self.draft_latency.fits if self.draft_latency is not None else None, any_k, self.toggle.min_speedup)
+        cached = self._verdicts.get(source)
+        if cached is not None and cached[0] == key:
+            self.toggle._count(cached[1] > 0, cached[2])       # still one decision per step in its stats
+            return cached[1]
+        k, s = self.toggle.choose(batch_size, ctx_len, max_k, self.acceptance.rates(source), any_k, per_token,
+                                  optimistic=lambda: self.acceptance.rates(source, optimism=1.0))
+        self._verdicts[source] = (key, k, s)
+        return k
 
     def _could_pay(self, batch_size: int, ctx_len: float, max_k: int) -> bool:
         """Would drafting pay at this batch if every draft were accepted? If not, a probe (which only

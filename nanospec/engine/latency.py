@@ -85,7 +85,7 @@ class LatencyModel:
         self._since_fit = 0
 
     def _set(self, coef) -> None:
-        self.coef = coef
+        self.coef, self.fits = coef, getattr(self, "fits", -1) + 1   # fits: a version for cached predictions
         self._w = None if coef is None else tuple(map(float, coef))   # plain floats: predict is hot
 
     def predict(self, B: float, C: float, Q: float) -> float:
