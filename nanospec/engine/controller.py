@@ -697,8 +697,10 @@ class DraftController:
         return out
 
     def reset_stats(self) -> None:
+        # the probe backoff carries over to the next rollout step, like the guard's: one step of weights
+        # moves acceptance little, and restarting every off drafter's gap at probe_every cost a probe
+        # every few dozen steps of each short rollout, for no verdict that changed
         self._steps = self._on_steps = 0
-        self._gap.clear()       # new rollout step = new weights and histories: probe early again
         if self.toggle is not None:
             self.toggle.reset_stats()
             self.guard.reset()
