@@ -530,8 +530,8 @@ class DraftController:
     def _verdict(self, source: str, batch_size: int, ctx_len: float, max_k: int) -> int:
         """The toggle's draft length for `source` this step. It is recomputed only when something it
         depends on moved (batch size, rung, context by 32 tokens, acceptance data, a refit of a latency
-        model, the drafting cost, the threshold): most steps of an off drafter change none of them, and two best_k
-        sweeps per step were ~1% of a batch-1 decode step on CPU."""
+        model, the drafting cost, the threshold): most steps of an off drafter change none of them, and
+        two best_k sweeps on every step were a measurable part of a batch-1 decode step on CPU."""
         any_k, per_token = self.draft_cost(batch_size, ctx_len)
         key = (batch_size, max_k, int(ctx_len) // 32, self.acceptance.version, self.toggle.latency.fits,
                self.draft_latency.fits if self.draft_latency is not None else None, any_k, self.toggle.min_speedup)
