@@ -1,3 +1,4 @@
+import math
 import numpy as np
 import pytest
 
@@ -512,3 +513,28 @@ def test_a_replayed_profile_makes_the_controller_ignore_the_clock(tmp_path):
     path.write_text(json.dumps({"samples": _grid()}))
     with pytest.raises(ValueError, match=r"latency_profile: .*profile.json.*draft_samples"):
         replayed_profile(path, draft=True)
+
+
+def test_per_position_acceptance_prices_later_drafts_and_thin_evidence_is_retried():
+    """Acceptance rising along a draft (a first token often wrong, the rest right once it is) makes long
+    drafts pay where one pooled rate would stop early; and a drafter seen rejected only a few times is
+    kept drafting (its upper bound pays) until the evidence says off."""
+    from nanospec.engine.controller import PositionalAcceptance
+    acc = PositionalAcceptance(prior=0.8)
+    for accepted in [0] * 20 + [4] * 30:              # position 0: 60%; positions 1-3: always
+        acc.observe("model", 4, accepted)
+    rates = acc.rates("model")                        # shrunk toward the prior / the position before
+    assert rates[0] == pytest.approx(0.6, abs=0.02) and min(rates[1:]) > 0.95
+    assert acc.pooled("model") == pytest.approx(120 / 140)
+    assert expected_accepted(rates, 4) == pytest.approx(sum(rates[0] * math.prod(rates[1:j]) for j in range(1, 5)))
+    lat = LatencyModel(coef=[1, 0, 0, 0, 0, 0])      # verify costs a decode; a draft token 0.3 of one
+    assert best_k(lat, 1, 0, rates, max_k=8, draft_time_per_token=0.3)[0] == 8
+    assert best_k(lat, 1, 0, acc.pooled("model"), max_k=8, draft_time_per_token=0.3)[0] == 4
+    toggle = SpeculationToggle(LatencyModel(coef=[1, 0, 0, 0, 0, 0.5]), 1.0)   # a verify: 1.5 decodes
+    for rejections, on in ((6, True), (60, False)):
+        acc = PositionalAcceptance(prior=0.8)
+        for _ in range(rejections):
+            acc.observe("model", 4, 0)
+        assert toggle.choose(1, 0, 8, acc.rates("model"), 0.0)[0] == 0      # the mean says off either way
+        k, _ = toggle.choose(1, 0, 8, acc.rates("model"), 0.0, optimistic=lambda: acc.rates("model", optimism=1.0))
+        assert (k > 0) == on
