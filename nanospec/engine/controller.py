@@ -509,13 +509,14 @@ class DraftController:
                 if n in self.confident:       # decided per draft token in clip()
                     self._pays[n] = self._rung(n, max_k)
                     continue
-                kn = self._verdict(n, len(seqs), ctx, min(self._rung(n, max_k), max(ks)))
+                rung = min(self._rung(n, max_k), max(ks))
+                kn = self._verdict(n, len(seqs), ctx, rung)
                 gap = self._gap.setdefault(n, [0, self.probe_every])
                 if kn:
                     gap[:] = [0, self.probe_every]
                 else:   # off: probe (None: the rung's length) once the gap has passed, then double the gap;
                     gap[0] += 1   # never where even an always-right draft would not pay for its drafting
-                    if gap[0] >= gap[1] and self._could_pay(len(seqs), ctx, min(self._rung(n, max_k), max(ks))):
+                    if gap[0] >= gap[1] and self._could_pay(len(seqs), ctx, rung):
                         self._probing[n] = tuple(gap)       # (steps waited, gap): a postponed probe restores it
                         gap[:] = [0, min(2 * gap[1], self.probe_every_max)]
                         kn = None
