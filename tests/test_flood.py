@@ -149,10 +149,15 @@ def dense_logits(model, outs):
     return res
 
 
-def test_flood_of_requests_through_a_tiny_kv_pool(model):
+@pytest.mark.parametrize("controller", [None, "auto"])
+def test_flood_of_requests_through_a_tiny_kv_pool(model, controller, tmp_path, monkeypatch):
+    """controller=None drafts the cap every step; "auto" is the default adaptive controller, profiled at
+    start-up on this tiny pool (tmp cache: really profiled) and deciding from the clock each step."""
+    monkeypatch.setenv("NANOSPEC_CACHE", str(tmp_path))
     reqs = flood_requests(N_REQUESTS, SEED)
     llm = LLM(model, block_size=BS, max_model_len=MAX_LEN, max_num_seqs=32, num_kv_blocks=NUM_BLOCKS,
-              max_num_batched_tokens=2 * MAX_LEN, controller=None, speculative=SPEC)
+              max_num_batched_tokens=2 * MAX_LEN, controller=controller, speculative=SPEC)
+    assert llm.num_free_blocks == NUM_BLOCKS              # the start-up profile gave every block back
     seqs, aborted, done, sharing = flood(llm, reqs, SEED + 1)
     params = [reqs[s.request_id][1] for s in seqs]
     outs = [llm.output(s) for s in seqs]
@@ -185,7 +190,9 @@ def test_flood_of_requests_through_a_tiny_kv_pool(model):
     assert sum(o.finish_reason == "stop" for o in outs) > 50
     assert sum(len(s) == MAX_LEN for s in seqs) > 3
     per = llm.stats["per_drafter"]
-    assert all(per[d]["accepted"] > 0 for d in ("prior", "suffix", "ngram")), dict(per)
+    if controller is None:      # drafting the cap: every member drafts. The adaptive controller may
+        assert all(per[d]["accepted"] > 0 for d in ("prior", "suffix", "ngram")), dict(per)
+    assert llm.stats["accepted_tokens"] > 0, dict(per)    # switch a member off, never all of speculation
 
     # greedy rows: plain AR on a pool that never preempts; aborted rows stop on a prefix of it
     greedy = [i for i, (_, sp) in enumerate(reqs) if sp.temperature == 0]
@@ -223,3 +230,42 @@ def test_flood_of_requests_through_a_tiny_kv_pool(model):
             p = torch.softmax(x, -1)
             head = (p * (p > p.gather(-1, tok))).sum(-1)                  # mass ranked above the token
             assert (head < sp.top_p + 1e-5).all(), "a token outside top-p"
+
+
+DRAFTERS = ["ngram", "suffix", "prior", "suffix_mlp", "self_nf4", "draft_model"]
+
+
+def pool_draws(n, seed):
+    """n engine shapes from a seeded grid, from one max-length sequence's worth of KV blocks upwards."""
+    rng = random.Random(seed)
+    for _ in range(n):
+        bs, L = rng.choice([1, 2, 4, 16]), rng.choice([24, 40, 64, 128, 256])
+        one = -(-L // bs)                                         # blocks of one max-length sequence
+        yield dict(block_size=bs, max_model_len=L, max_num_seqs=rng.choice([1, 2, 5, 8, 32, 64]),
+                   num_kv_blocks=one + rng.choice([0, 0, 1, one // 2, 2 * one, 10 * one]))
+
+
+@pytest.mark.parametrize("shape", list(pool_draws(8, 29)), ids=lambda d: "-".join(map(str, d.values())))
+def test_any_pool_that_decodes_also_speculates(tiny_models, shape, tmp_path, monkeypatch):
+    """Property: every (num_kv_blocks, block_size, max_model_len, max_num_seqs) that generates with
+    speculative=None also generates with every drafter under the default adaptive controller, greedy
+    output identical to AR, and the start-up latency profile (which times batched forwards on scratch
+    blocks) neither fails for lack of blocks nor keeps any. The cache is a tmp dir: each pool profiles."""
+    monkeypatch.setenv("NANOSPEC_CACHE", str(tmp_path))
+    target, draft = tiny_models["llama"][0], tiny_models["qwen2"][0]
+    L = shape["max_model_len"]
+    rng = random.Random(L)
+    prompts = []
+    for i in range(6):                       # repetitive prompts (n-gram / suffix food), some near L
+        motif = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 4))]
+        prompts.append((motif * L)[:rng.randint(2, L // 2 if i else L - 2)])
+    params = SamplingParams(temperature=0.0, max_tokens=L)   # most run into max_model_len
+    ar = LLM(target, speculative=None, **shape).generate(prompts, params, use_tqdm=False)
+    for method in DRAFTERS:
+        spec = {"method": method, "num_draft_tokens": 4, **({"model": draft} if method == "draft_model" else {})}
+        llm = LLM(target, speculative=spec, **shape)
+        assert llm.num_free_blocks == shape["num_kv_blocks"], f"{method}: the profile kept KV blocks"
+        for rnd in range(2):                 # the second round drafts from the first's history
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            assert [o.token_ids for o in outs] == [o.token_ids for o in ar], f"{method}, round {rnd}"
+        assert llm.num_free_blocks == shape["num_kv_blocks"], f"{method}: leaked KV blocks"

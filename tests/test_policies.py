@@ -47,7 +47,7 @@ def test_latency_observe_calibrate_and_errors():
         calls.append((B, C, Q))
         return float(LatencyModel.features(B, C, Q) @ TRUE) * (3.0 if len(calls) % 3 == 1 else 1.0)
     c = LatencyModel()
-    samples = c.calibrate(time_fn, [1, 8, 64], [32, 256], [1, 5], repeats=3)
+    samples = c.calibrate(time_fn, [(B, C, Q) for B in (1, 8, 64) for C in (32, 256) for Q in (1, 5)], repeats=3)
     assert len(calls) == 36 and len(samples) == 12
     np.testing.assert_allclose(c.coef, TRUE, rtol=1e-5)  # median drops the slow warm-up call
     with pytest.raises(RuntimeError, match="not fitted"):

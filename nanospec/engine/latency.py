@@ -110,15 +110,37 @@ class LatencyModel:
         if self._since_fit >= self.refit_every:
             self._refit()
 
-    def calibrate(self, time_fn: Callable[[int, int, int], float], batch_sizes: Sequence[int],
-                  ctx_lens: Sequence[int], query_lens: Sequence[int], repeats: int = 3) -> list:
-        """Time every (B, C, Q) of the grid `repeats` times, fit on the medians (robust to warm-up
-        and the ±10% run-to-run noise), return the samples."""
+    def calibrate(self, time_fn: Callable[[int, int, int], float], shapes: Sequence[tuple[int, int, int]],
+                  repeats: int = 3) -> list:
+        """Time every (B, C, Q) shape `repeats` times, fit on the medians (robust to warm-up and the
+        ±10% run-to-run noise), return the samples."""
         check(is_int(repeats) and repeats >= 1, "repeats", "an int >= 1", repeats)
+        check(len(shapes) > 0, "shapes", "a non-empty list of (B, C, Q)", shapes)
         samples = [(B, C, Q, statistics.median(float(time_fn(B, C, Q)) for _ in range(repeats)))
-                   for B in batch_sizes for C in ctx_lens for Q in query_lens]
+                   for B, C, Q in shapes]
         self.fit(samples)
         return samples
+
+
+def profile_shapes(max_seqs: int, max_model_len: int, free_blocks: int, block_size: int,
+                   query_lens: Sequence[int]) -> list[tuple[int, int, int]]:
+    """The (B, C, Q) shapes the start-up profile times, cut to the KV pool it is given.
+
+    The full grid is B in {1, 8, 32} (<= max_num_seqs) x two contexts x `query_lens`. A shape is timed
+    only where its B sequences of C + Q tokens fit the free blocks; a batch size whose contexts do not
+    fit is timed at the longest context that does, and one that cannot hold even a query is skipped
+    (the engine can never run it either). The fit covers the rest, so a small pool (a tight
+    `kv_cache_gib`, a long `max_model_len`) profiles what it can instead of failing."""
+    ctx = min(64, max_model_len // 2)
+    shapes = []
+    for B in (b for b in (1, 8, 32) if b <= max_seqs):
+        room = free_blocks // B * block_size                  # tokens each of B sequences can hold
+        qs = [q for q in query_lens if q <= room]
+        if not qs:
+            continue
+        ctxs = [c for c in (ctx // 2, ctx) if c + max(qs) <= room] or [room - max(qs)]
+        shapes += [(B, C, Q) for C in ctxs for Q in qs]
+    return shapes
 
 
 def profiled_latency(llm, drafter=None, query_lens=(1, 4, 8)) -> LatencyModel:
@@ -126,17 +148,16 @@ def profiled_latency(llm, drafter=None, query_lens=(1, 4, 8)) -> LatencyModel:
     machine (EfficientRollout: the toggle's cost model is measured, not assumed). The profile is cached
     on disk per model shape, dtype, device, threads and torch version (`profile_cache_path`), so a
     second engine on the same machine starts without profiling; online samples refit it as it runs."""
-    max_seqs, ctx = llm.scheduler.max_num_seqs, min(64, llm.max_model_len // 2)
-    grid = dict(batch_sizes=[b for b in (1, 8, 32) if b <= max_seqs], ctx_lens=[ctx // 2, ctx],
-                query_lens=list(query_lens))
-    path = profile_cache_path(llm.model if drafter is None else drafter.model, llm.device, grid)
+    shapes = profile_shapes(llm.scheduler.max_num_seqs, llm.max_model_len, llm.num_free_blocks,
+                            llm.blocks.block_size, query_lens)
+    path = profile_cache_path(llm.model if drafter is None else drafter.model, llm.device, shapes)
     latency = LatencyModel()
     if path.is_file():
         try:
             return latency.fit([tuple(r) for r in json.loads(path.read_text())["samples"]])
         except (ValueError, KeyError, TypeError, json.JSONDecodeError):
             pass                     # a damaged cache entry is simply profiled again
-    samples = latency.calibrate(lambda B, C, Q: llm.time_forward(B, C, Q, drafter=drafter), repeats=3, **grid)
+    samples = latency.calibrate(lambda B, C, Q: llm.time_forward(B, C, Q, drafter=drafter), shapes, repeats=3)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(json.dumps({"samples": samples}))
@@ -164,7 +185,7 @@ def replayed_profile(path, draft: bool = False) -> tuple[LatencyModel, LatencyMo
     return target, drafter, per_seq
 
 
-def profile_cache_path(model, device, grid: dict):
+def profile_cache_path(model, device, shapes: list):
     """$NANOSPEC_CACHE/profiles/<hash>.json, keyed by everything the timings depend on but the weights."""
     import platform
     import torch
@@ -178,5 +199,5 @@ def profile_cache_path(model, device, grid: dict):
         dev = f"{names[0] if names else platform.processor() or platform.machine()} x{os.cpu_count()}"
     layers = sorted({type(m).__name__ for m in model.modules()})
     key = json.dumps([repr(model.args), str(next(model.parameters()).dtype), dev, torch.get_num_threads(),
-                      torch.__version__, layers, grid], sort_keys=True)
+                      torch.__version__, layers, shapes], sort_keys=True)
     return cache_dir() / "profiles" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
