@@ -10,9 +10,10 @@ One process per rank: gloo on CPU, nccl on GPU; each rank uses run.num_threads t
 writes RUN_DIR/metrics.jsonl (`python -m nanospec.rl.report RUN_DIR` plots it) and the checkpoints.
 
 Errors in what the user gave (config, overrides, model directory, data files, checkpoints) are found
-while setting up, before any step runs: they print one line, `train.py: error: ...` (rank 0 only),
-and exit 2, as argparse does. A traceback means a bug (NANOSPEC_TRACEBACK=1 shows one for setup
-errors too). Under torchrun, torchrun adds its own report of the failed ranks after that line.
+while setting up, before any step runs: they print one line, `train.py: error: ...` (once, from
+whichever rank fails first), and exit 2, as argparse does. A traceback means a bug
+(NANOSPEC_TRACEBACK=1 shows one for setup errors too). Under torchrun, torchrun adds its own report
+of the failed ranks after that line.
 """
 import argparse
 import os
@@ -22,12 +23,36 @@ USER_ERRORS = (ValueError, FileNotFoundError)   # what the input checks raise
 
 
 def user_error(e: Exception) -> int:
-    """argparse's convention for bad input: one line on stderr (once, from rank 0), exit status 2."""
+    """argparse's convention for bad input: one line on stderr, exit status 2.
+
+    Under torchrun every rank validates the same inputs and fails alike, and torchrun SIGTERMs the
+    other ranks as soon as one exits. So no fixed rank can be trusted to print: the first rank to
+    claim a marker file of this launch prints the line, then marks it printed;
+    the others exit only once it is printed, so torchrun's teardown can never cut the line off. A rank
+    that never sees it printed (the printer died) prints its own after 30 s. The marker lives in
+    torchrun's own directory of this attempt, shared by the ranks of this node."""
     if os.environ.get("NANOSPEC_TRACEBACK"):
         raise e
-    if os.environ.get("RANK", "0") == "0":
-        msg = str(e.args[0]) if isinstance(e, FileNotFoundError) and e.args else str(e)
-        print(f"train.py: error: {msg}", file=sys.stderr, flush=True)
+    msg = str(e.args[0]) if isinstance(e, FileNotFoundError) and e.args else str(e)
+    line = f"train.py: error: {msg}"
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")    # torchrun: <attempt dir>/<rank>/error.json
+    if error_file is None:                        # one process: nobody to race
+        print(line, file=sys.stderr, flush=True)
+        return 2
+    import time
+    marker = os.path.join(os.path.dirname(os.path.dirname(error_file)), "nanospec_user_error")
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:                       # another rank prints it: wait until it has
+        deadline = time.monotonic() + 30
+        while not os.path.exists(marker + ".printed"):
+            if time.monotonic() > deadline:
+                print(line, file=sys.stderr, flush=True)
+                break
+            time.sleep(0.01)
+        return 2
+    print(line, file=sys.stderr, flush=True)
+    os.close(os.open(marker + ".printed", os.O_CREAT | os.O_WRONLY))
     return 2
 
 

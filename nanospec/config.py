@@ -124,6 +124,7 @@ class GRPOConfig:
     tis_cap: float | None = None        # truncated importance sampling cap (null: off)
     tis_mode: str = "truncate"          # truncate | mask
     max_staleness: int = 0              # 1: one-step off-policy, step t+1's rollouts run while t trains
+    mask_truncated_completions: bool = False   # responses cut at max_completion_length leave the loss (TRL, DAPO)
 
     def rules(self):
         return [*_pos(self, "num_steps", "prompts_per_step", "max_completion_length", "temperature",

@@ -572,7 +572,7 @@ def calibrate_cpu(cfg: dict, threads: int, where: str, sync=lambda: None) -> Har
         t0 = time.perf_counter()
         for idx in micro_batches(samples, 1):     # Trainer.learn's loss: TIS weights, clipped surrogate
             mb = make_microbatch([samples[i] for i in idx], torch.randn(len(idx)), 0, "cpu")
-            logp = completion_logprobs(policy, mb, 1.0)
+            logp = completion_logprobs(policy, mb, 1.0)[0]
             w, _ = tis_weights(logp.detach(), mb.rollout_lp, mb.mask, 2.0)
             policy_loss(logp, logp.detach(), mb.adv, mb.mask, num_seqs_global=n, tis_weight=w)[0].backward()
         torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)

@@ -50,7 +50,7 @@ def fixed_samples(tr: Trainer) -> list[Sample]:
             c = tr.tokenizer.encode(tr.task.sft_text(p, rng, 0.6), add_special_tokens=False) + [tr.tokenizer.eos_token_id]
             out.append(Sample(p, p.prompt, ids, c, [0.0] * len(c), [False] * len(c), "stop"))
     with torch.no_grad():
-        lp = completion_logprobs(tr.policy, make_microbatch(out, torch.zeros(len(out)), 0, "cpu"), 1.0)
+        lp = completion_logprobs(tr.policy, make_microbatch(out, torch.zeros(len(out)), 0, "cpu"), 1.0)[0]
     for b, s in enumerate(out):
         s.logprobs = lp[b, :len(s.completion_ids)].tolist()
     return out
@@ -284,3 +284,56 @@ def test_max_staleness_is_validated():
         config_from_dict({"grpo": {"max_staleness": 2, "tis_cap": 2.0}})
     with pytest.raises(ValueError, match=r"grpo\.tis_cap: expected a cap >= 1 with max_staleness 1"):
         config_from_dict({"grpo": {"max_staleness": 1, "tis_cap": None}})
+
+
+def test_truncated_responses_leave_the_loss_only_when_asked(tmp_path):
+    """mask_truncated_completions (TRL's knob, DAPO's overlong filtering): a step whose responses were
+    all cut at max_completion_length moves no weight with the mask, and does without it."""
+    before = None
+    for mask in (True, False):
+        cfg = tiny_cfg(tmp_path, grpo__mask_truncated_completions=mask)
+        tr = Trainer(cfg, log=lambda *a: None)
+        samples = fixed_samples(tr)
+        for s in samples:
+            s.finish_reason = "length"
+        before = torch.cat([p.detach().flatten().clone() for p in tr.policy.parameters()])
+        rec = tr.learn(samples)
+        after = torch.cat([p.detach().flatten() for p in tr.policy.parameters()])
+        assert torch.equal(before, after) == mask, mask
+        assert rec["truncated"] == [True] * len(samples) and rec["entropy_sum"] > 0
+
+
+def test_length_metrics_say_where_the_advantage_goes():
+    """clipped ratio, terminated length, entropy and the advantage mass sum_i A_i |o_i| / sum |o_i| on
+    truncated vs terminated responses, over every rank's record."""
+    recs = [dict(lengths=[10, 30], truncated=[False, True], adv_tokens=[-0.5 * 10, 1.0 * 30], entropy_sum=20.0),
+            dict(lengths=[20, 40], truncated=[False, False], adv_tokens=[0.25 * 20, -0.75 * 40], entropy_sum=60.0)]
+    m = Trainer._length_metrics(recs)
+    assert m["completions/clipped_ratio"] == 0.25 and m["completions/mean_length"] == 25
+    assert m["completions/mean_terminated_length"] == pytest.approx(70 / 3)
+    assert m["entropy"] == pytest.approx(80 / 100)
+    assert m["adv_mass/truncated"] == pytest.approx(30 / 100)
+    assert m["adv_mass/terminated"] == pytest.approx((-5 + 5 - 30) / 100)
+
+
+def test_learning_guard_warns_once_per_episode_naming_the_metric():
+    from nanospec.rl.grpo import LearningGuard
+    g, start = LearningGuard(), {"eval/reward_mean": 0.2, "eval/reward_sem": 0.03}
+    seen = [g.update({"step": i, "completions/clipped_ratio": c}, start) for i, c in enumerate([0.3, 0.6, 0.9, 0.2, 0.7])]
+    assert [len(w) for w in seen] == [0, 1, 0, 0, 1] and "completions/clipped_ratio" in seen[1][0]
+    # 2 standard errors of the difference: 2 * hypot(0.03, 0.03) = 0.085
+    assert g.update({"step": 5, "eval/reward_mean": 0.13, "eval/reward_sem": 0.03}, start) == []
+    w = g.update({"step": 6, "eval/reward_mean": 0.10, "eval/reward_sem": 0.03}, start)
+    assert len(w) == 1 and w[0].startswith("eval/reward_mean = 0.100")
+
+
+def test_token_entropy_of_uniform_and_peaked_logits():
+    from nanospec.rl.loss import token_entropy
+    V = 50
+    flat, peaked = torch.zeros(1, 1, V), torch.full((1, 1, V), -1e4)
+    peaked[..., 3] = 0
+    assert token_entropy(flat).item() == pytest.approx(torch.log(torch.tensor(float(V))).item(), rel=1e-6)
+    assert token_entropy(peaked).item() == pytest.approx(0.0, abs=1e-6)
+    # temperature flattens: entropy at T=2 of random logits exceeds that at T=1
+    x = torch.randn(2, 3, V, generator=torch.Generator().manual_seed(0)) * 3
+    assert (token_entropy(x, 2.0) > token_entropy(x, 1.0)).all()

@@ -54,7 +54,8 @@ from nanospec.engine.llm import LLM
 from nanospec.models.hub import resolve_model
 from nanospec.models.loader import load_model
 from nanospec.models.decoder import drop_packed_weights
-from nanospec.rl.loss import group_advantages, logprob_mismatch, policy_loss, tis_weights, token_logprobs
+from nanospec.rl.loss import (group_advantages, logprob_mismatch, policy_loss, tis_weights, token_entropy,
+                             token_logprobs)
 from nanospec.rl.report import headline, load_metrics
 from nanospec.rl.rollout import RolloutWorker, Sample
 from nanospec.engine.sequence import SamplingParams
@@ -122,8 +123,9 @@ def micro_batches(samples: list[Sample], accumulation_steps: int, max_tokens: in
     return out
 
 
-def completion_logprobs(model, mb: MicroBatch, temperature: float) -> torch.Tensor:
-    """Plain causal forward -> log softmax(logits / T)[token] at each completion position [B, T].
+def completion_logprobs(model, mb: MicroBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain causal forward -> (log softmax(logits / T)[token], entropy of softmax(logits / T)) at each
+    completion position, both [B, T]; the entropy carries no grad.
 
     The [tokens, vocab] logits are the largest tensor of a step (a real 49k vocabulary: 200 KB per
     token in fp32, more than the whole decoder's activations), so they exist one chunk of
@@ -133,12 +135,15 @@ def completion_logprobs(model, mb: MicroBatch, temperature: float) -> torch.Tens
     h = hidden.gather(1, mb.pos.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))   # [B, T, D]
     B, T, D = h.shape
     h, tokens = h.reshape(1, B * T, D), mb.tokens.reshape(1, B * T)
-    chunk = lambda h, t: token_logprobs(model.logits(h), t, temperature)         # [1, n]
+
+    def chunk(h, t):                                                              # -> [1, n], [1, n]
+        logits = model.logits(h)
+        return token_logprobs(logits, t, temperature), token_entropy(logits, temperature)
     out = [torch.utils.checkpoint.checkpoint(chunk, h[:, i:i + LOGIT_CHUNK], tokens[:, i:i + LOGIT_CHUNK],
                                              use_reentrant=False) if torch.is_grad_enabled()
            else chunk(h[:, i:i + LOGIT_CHUNK], tokens[:, i:i + LOGIT_CHUNK])
            for i in range(0, B * T, LOGIT_CHUNK)]
-    return torch.cat(out, 1).view(B, T)
+    return (torch.cat([lp for lp, _ in out], 1).view(B, T), torch.cat([e for _, e in out], 1).view(B, T))
 
 
 class DrafterMonitor:
@@ -170,6 +175,35 @@ class DrafterMonitor:
                 self.low[name] = 0
                 self.history[name] = (hist + [rate])[-self.window:]
         return alerts
+
+
+class LearningGuard:
+    """One warning line when a run drifts the way small-model GRPO runs do (longer and longer responses,
+    a falling eval), naming the metric; the run goes on and the user decides. Each alarm warns once per
+    episode and re-arms when its metric recovers.
+      - completions/clipped_ratio above `max_truncated`: most responses hit max_completion_length;
+      - eval/reward_mean below its value before training by more than `noise_sems` standard errors of
+        the difference (the two evals' per-prompt spreads, eval/reward_sem)."""
+
+    def __init__(self, max_truncated: float = 0.5, noise_sems: float = 2.0):
+        self.max_truncated, self.noise_sems, self.raised = max_truncated, noise_sems, set()
+
+    def update(self, m: dict, before: dict | None) -> list[str]:
+        alarms = {}
+        cut = m.get("completions/clipped_ratio")
+        if cut is not None:
+            alarms["completions/clipped_ratio"] = cut > self.max_truncated and (
+                f"completions/clipped_ratio = {cut:.2f}: over {self.max_truncated:.0%} of responses hit "
+                f"max_completion_length at step {m['step']} (see grpo.mask_truncated_completions)")
+        if before and "eval/reward_mean" in m and "eval/reward_mean" in before:
+            a, b = m["eval/reward_mean"], before["eval/reward_mean"]
+            noise = self.noise_sems * math.hypot(m.get("eval/reward_sem", 0.0), before.get("eval/reward_sem", 0.0))
+            alarms["eval/reward_mean"] = a < b - noise and (
+                f"eval/reward_mean = {a:.3f} at step {m['step']}: below its start {b:.3f} by more than "
+                f"its noise ({noise:.3f}); the policy is getting worse")
+        out = [msg for k, msg in alarms.items() if msg and k not in self.raised]
+        self.raised = {k for k, msg in alarms.items() if msg} | (self.raised - alarms.keys())
+        return out
 
 
 def _finite(v):
@@ -220,6 +254,7 @@ class Trainer:
         self.opt = torch.optim.AdamW(self.policy.parameters(), lr=g.learning_rate, weight_decay=g.weight_decay)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: min(1.0, (s + 1) / (g.warmup_steps + 1)))
         self.monitor, self.step, self.eval_before, self._perms = DrafterMonitor(), 0, None, {}
+        self.guard = LearningGuard()
         if cfg.run.resume:
             self._resume()
 
@@ -265,26 +300,35 @@ class Trainer:
         texts = [self.text(s) for s in samples]
         rewards = [self.task.reward(s.problem, t) for s, t in zip(samples, texts)]
         adv = group_advantages(torch.tensor(rewards), g.num_generations, g.scale_rewards)
+        # truncated = stopped by max_completion_length. Their rewards and advantages stay in their
+        # groups; with mask_truncated_completions (TRL's name, DAPO's overlong filtering) their tokens
+        # leave the loss, so a response cut mid-thought is neither rewarded nor punished token by token
+        truncated = torch.tensor([s.finish_reason == "length" for s in samples])
         pad = self.tokenizer.pad_token_id or 0
-        mbs = [make_microbatch([samples[i] for i in idx], adv[idx], pad, self.device)
-               for idx in micro_batches(samples, g.gradient_accumulation_steps)]
-        counts = torch.tensor([len(samples), sum(float(mb.mask.sum()) for mb in mbs)], dtype=torch.float64)
+        mbs, loss_masks = [], []
+        for idx in micro_batches(samples, g.gradient_accumulation_steps):
+            mbs.append(make_microbatch([samples[i] for i in idx], adv[idx], pad, self.device))
+            keep = ~truncated[idx] if g.mask_truncated_completions else torch.ones(len(idx), dtype=torch.bool)
+            loss_masks.append(mbs[-1].mask * keep.to(self.device)[:, None])
+        counts = torch.tensor([len(samples), sum(float(m.sum()) for m in loss_masks)], dtype=torch.float64)
         n_seqs, n_toks = (int(x) for x in self._all_reduce(counts).tolist())
+        n_toks = max(n_toks, 1)             # every response truncated and masked: a step of zero loss
         drop_packed_weights(self.policy)    # the engine's prepacked copies go stale with this update
-        old, ref, agg, losses, norms = [], [], defaultdict(float), [], []
+        old, ref, agg, losses, norms, entropy = [], [], defaultdict(float), [], [], 0.0
         for it in range(g.num_iterations):
             self.opt.zero_grad(set_to_none=True)
             loss_sum = 0.0
             for i, mb in enumerate(mbs):
-                logp = completion_logprobs(self.policy, mb, g.temperature)                  # [B, T]
+                logp, ent = completion_logprobs(self.policy, mb, g.temperature)            # [B, T] each
                 if it == 0:
                     old.append(logp.detach())
+                    entropy += float((ent * mb.mask).sum())
                     with torch.no_grad():
-                        ref.append(completion_logprobs(self.ref, mb, g.temperature) if self.ref is not None else None)
+                        ref.append(completion_logprobs(self.ref, mb, g.temperature)[0] if self.ref is not None else None)
                 w, st = None, {}
                 if g.tis_cap is not None:
-                    w, st = tis_weights(old[i], mb.rollout_lp, mb.mask, g.tis_cap, g.tis_mode)
-                loss, lst = policy_loss(logp, old[i] if w is not None else mb.rollout_lp, mb.adv, mb.mask,
+                    w, st = tis_weights(old[i], mb.rollout_lp, loss_masks[i], g.tis_cap, g.tis_mode)
+                loss, lst = policy_loss(logp, old[i] if w is not None else mb.rollout_lp, mb.adv, loss_masks[i],
                                         epsilon=g.epsilon, epsilon_high=g.epsilon_high, beta=g.beta, ref_logp=ref[i],
                                         loss_type=g.loss_type, num_seqs_global=n_seqs, num_tokens_global=n_toks,
                                         tis_weight=w)
@@ -300,8 +344,10 @@ class Trainer:
         for mb, o in zip(mbs, old):
             for b, n in enumerate(mb.mask.sum(1).long().tolist()):
                 logps.append((o[b, :n].tolist(), mb.rollout_lp[b, :n].tolist(), mb.from_verify[b, :n].tolist()))
+        lengths = [len(s.completion_ids) for s in samples]
         return dict(rewards=rewards, correct=[self.task.is_correct(s.problem, t) for s, t in zip(samples, texts)],
-                    logps=logps, agg=dict(agg),
+                    logps=logps, agg=dict(agg), entropy_sum=entropy, lengths=lengths, truncated=truncated.tolist(),
+                    adv_tokens=[float(a) * n for a, n in zip(adv.tolist(), lengths)],
                     loss=sum(losses) / len(losses), grad_norm=norms[-1], time=time.perf_counter() - t0)
 
     def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:
@@ -404,7 +450,27 @@ class Trainer:
                    accuracy=statistics.fmean(float(c) for r in recs for c in r["correct"]),
                    frac_reward_zero_std=statistics.fmean(float(max(g) - min(g) < 1e-9) for g in groups),
                    loss=sum(r["loss"] for r in recs), grad_norm=recs[0]["grad_norm"], kl=out.get("kl"))
+        out.update(self._length_metrics(recs))
         return out
+
+    @staticmethod
+    def _length_metrics(recs: list[dict]) -> dict:
+        """What drives response length (TRL's names where it has them): the share of responses cut at
+        max_completion_length, the mean length of those that ended, the token entropy of the sampling
+        distribution, and the advantage mass on each kind: sum_i A_i |o_i| / sum_i |o_i| over the
+        truncated and the terminated responses. Under the token-mean (dapo) loss a response's total
+        push is A_i |o_i|, so a positive truncated mass means the update makes long responses likelier."""
+        lengths = [n for r in recs for n in r["lengths"]]
+        cut = [t for r in recs for t in r["truncated"]]
+        mass = [a for r in recs for a in r["adv_tokens"]]
+        tokens = max(sum(lengths), 1)
+        ended = [n for n, t in zip(lengths, cut) if not t]
+        return {"completions/clipped_ratio": statistics.fmean(map(float, cut)),
+                "completions/mean_length": statistics.fmean(lengths),
+                "completions/mean_terminated_length": statistics.fmean(ended) if ended else None,
+                "entropy": sum(r["entropy_sum"] for r in recs) / tokens,
+                "adv_mass/truncated": sum(m for m, t in zip(mass, cut) if t) / tokens,
+                "adv_mass/terminated": sum(m for m, t in zip(mass, cut) if not t) / tokens}
 
     # ---- evaluation: plain AR (drafters and policy detached, their state untouched) ----
     EVAL_SAMPLES = 4    # draws per test prompt for eval/sampled_reward_mean
@@ -427,7 +493,9 @@ class Trainer:
         res = [x for r in dist.all_gather_object(res) for x in r]
         drawn = [self.task.reward(mine[i // samples], o.text) for i, o in enumerate(sampled)]
         drawn = [x for r in dist.all_gather_object(drawn) for x in r]
-        return {"eval/reward_mean": statistics.fmean(r for r, _ in res),
+        greedy_rewards = [r for r, _ in res]
+        return {"eval/reward_mean": statistics.fmean(greedy_rewards),
+                "eval/reward_sem": statistics.stdev(greedy_rewards) / math.sqrt(len(res)) if len(res) > 1 else 0.0,
                 "eval/accuracy": statistics.fmean(c for _, c in res), "eval/n": len(res),
                 "eval/sampled_reward_mean": statistics.fmean(drawn)}
 
@@ -486,6 +554,8 @@ class Trainer:
             last = self.step == cfg.grpo.num_steps
             if last or (cfg.run.eval_every and self.step % cfg.run.eval_every == 0):
                 m.update(self.evaluate())
+            for msg in self.guard.update(m, self.eval_before):
+                self._warn(msg)
             if self.rank == 0:
                 with open(metrics_path, "a") as f:
                     f.write(json.dumps({k: _finite(v) for k, v in m.items()}) + "\n")

@@ -199,3 +199,13 @@ def token_logprobs(logits: Tensor, tokens: Tensor, temperature: float = 1.0) -> 
         raise ValueError(f"temperature: expected >= 0, got {temperature}")
     t = torch.full((logits.shape[0],), float(temperature), device=logits.device)        # [B]
     return sampler.token_logprobs(logits, t, tokens.long())
+
+
+def token_entropy(logits: Tensor, temperature: float = 1.0) -> Tensor:
+    """Entropy of softmax(logits / T) at each position, in nats, no grad -> [B,T] (TRL's and verl's
+    `entropy`): H = logsumexp(z) - sum_v softmax(z)_v z_v, z = logits / T. Falling towards 0 means the
+    policy is collapsing onto one continuation; rising means it is spreading mass, e.g. onto rambling.
+    Temperature 0 (greedy) is treated as 1, as in `token_logprobs`."""
+    with torch.no_grad():
+        z = logits.float() / (temperature or 1.0)
+        return z.logsumexp(-1) - (torch.softmax(z, -1) * z).sum(-1)
