@@ -163,10 +163,13 @@ def run(args) -> list[dict]:
         print(f"rollout suite: {VARIANTS[i][0]} skipped: no n-gram MLP at {missing(VARIANTS[i][1])[0]} (`make mlp`)")
     keep = [i for i in keep if not missing(VARIANTS[i][1])]
     opts = dict(steps=o.steps or (3 if args.quick else 7), prompts=o.prompts, G=o.G, variants=list(keep))
-    model_path = o.model if Path(o.model, "config.json").is_file() else None
+    from nanospec.models.hub import resolve_model
+    try:
+        model_path = str(resolve_model(o.model))
+    except (FileNotFoundError, ValueError) as e:
+        model_path = None
+        print(f"rollout suite: no model at {o.model} (run `make train` first): random tiny model ({e})")
     label = f"SFT {o.model}" if model_path else f"RANDOM tiny model (no SFT model at {o.model})"
-    if model_path is None:
-        print(f"rollout suite: no model at {o.model} (run `make train` first): random tiny model")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -101,11 +101,16 @@ def run(args) -> list[dict]:
     opts, _ = ap.parse_known_args(args.extra)
     variants = [(*v, 1.0) for v in VARIANTS]
     num_prompts = 4 if args.quick else opts.prompts
-    if Path(opts.model, "config.json").is_file():
-        prompts, tok = workload(opts.model, num_prompts)
-        model_dir, label = opts.model, f"synthetic task, {opts.model}"
+    from nanospec.models.hub import resolve_model
+    try:
+        model_dir = str(resolve_model(opts.model))
+    except (FileNotFoundError, ValueError) as e:
+        model_dir = None
+        print(f"spec suite: no model at {opts.model} (run `make train` first); random model, repeated prompt ({e})")
+    if model_dir is not None:
+        prompts, tok = workload(model_dir, num_prompts)
+        label = f"synthetic task, {opts.model}"
     else:
-        print(f"spec suite: no model at {opts.model} (run `make train` first); random model, repeated prompt")
         import tempfile
         from benchmarks.engine import tiny_llama
         model_dir, tok, label = tempfile.mkdtemp(), None, "random model, one repeated prompt"

@@ -538,3 +538,18 @@ def test_per_position_acceptance_prices_later_drafts_and_thin_evidence_is_retrie
         assert toggle.choose(1, 0, 8, acc.rates("model"), 0.0)[0] == 0      # the mean says off either way
         k, _ = toggle.choose(1, 0, 8, acc.rates("model"), 0.0, optimistic=lambda: acc.rates("model", optimism=1.0))
         assert (k > 0) == on
+
+
+def test_profile_shapes_fit_the_pool_and_keep_the_full_grid_when_it_fits():
+    """The start-up profile's shapes: the whole grid on a pool that holds it (so every bench and run on
+    a large pool profiles exactly as before), and only shapes whose B * (C + Q) tokens fit otherwise."""
+    from nanospec.engine.latency import profile_shapes
+    full = profile_shapes(64, 4096, 10_000, 16, (1, 4, 8))
+    assert full == [(B, C, Q) for B in (1, 8, 32) for C in (32, 64) for Q in (1, 4, 8)]
+    for blocks, bs, max_len, seqs in [(40, 16, 4096, 32), (8, 16, 128, 64), (200, 4, 4096, 64), (3, 1, 24, 8)]:
+        shapes = profile_shapes(seqs, max_len, blocks, bs, (1, 4, 8))
+        assert shapes and shapes[0][0] == 1                      # a pool always profiles batch 1
+        for B, C, Q in shapes:
+            assert B <= seqs and B * -(-(C + Q) // bs) <= blocks, (blocks, bs, B, C, Q)
+    # 40 blocks of 16: 32 rows hold one block each, so B = 32 is timed at the longest context that fits
+    assert [(B, C) for B, C, Q in profile_shapes(32, 4096, 40, 16, (1, 4, 8)) if B == 32] == [(32, 8)] * 3
