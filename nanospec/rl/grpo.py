@@ -554,6 +554,8 @@ class Trainer:
             last = self.step == cfg.grpo.num_steps
             if last or (cfg.run.eval_every and self.step % cfg.run.eval_every == 0):
                 m.update(self.evaluate())
+            if self.step == 1 and self.eval_before:   # the run's starting point, in its own record
+                m.update({k.replace("eval/", "eval_before/", 1): v for k, v in self.eval_before.items()})
             for msg in self.guard.update(m, self.eval_before):
                 self._warn(msg)
             if self.rank == 0:
