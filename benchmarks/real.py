@@ -85,8 +85,8 @@ def truncated_draft(model_dir, layers: int, out: str) -> str:
 
 def rollouts(model_dir, model, tok, opts, workdir) -> list[dict]:
     from nanospec.config import SpeculationConfig
-    from nanospec.tasks import format_prompt, get_task
-    problems = get_task("gsm8k").test(opts.prompts)
+    from nanospec.tasks import format_prompt, gsm8k_task
+    problems = gsm8k_task().test(opts.prompts)
     prompts = [format_prompt(tok, p.prompt) for p in problems]
     draft = truncated_draft(model_dir, opts.draft_layers, f"{workdir}/draft")
     variants = [("AR", None, False)] + [(f"{n} +policies", s, True) for n, s in DRAFTERS] + \

@@ -506,9 +506,10 @@ class Trainer:
         sampled = self.llm.generate(prompts, SamplingParams(temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
                                                             n=samples, seed=self.cfg.run.seed + self.rank, **params),
                                     use_tqdm=False, speculate=False)
-        rewards, correct, _ = self.score(mine, [o.text for o in greedy])
+        rewards, correct, _ = self.score(mine, [o.text for o in greedy], [o.token_ids for o in greedy])
         res = [x for r in dist.all_gather_object(list(zip(rewards, map(float, correct)))) for x in r]
-        drawn = self.score([mine[i // samples] for i in range(len(sampled))], [o.text for o in sampled])[0]
+        drawn = self.score([mine[i // samples] for i in range(len(sampled))], [o.text for o in sampled],
+                           [o.token_ids for o in sampled])[0]
         drawn = [x for r in dist.all_gather_object(drawn) for x in r]
         greedy_rewards = [r for r, _ in res]
         return {"eval/reward_mean": statistics.fmean(greedy_rewards),
@@ -568,10 +569,14 @@ class Trainer:
         tb = tensorboard_writer(self.run_dir, cfg.run.log_to) if self.rank == 0 else None
         m = {}
         while self.step < cfg.grpo.num_steps:
-            m = self.train_step()
-            last = self.step == cfg.grpo.num_steps
-            if last or (cfg.run.eval_every and self.step % cfg.run.eval_every == 0):
-                m.update(self.evaluate())
+            try:
+                m = self.train_step()
+                last = self.step == cfg.grpo.num_steps
+                if last or (cfg.run.eval_every and self.step % cfg.run.eval_every == 0):
+                    m.update(self.evaluate())
+            except RewardError:
+                bar.close()         # the error's line goes below the bar, not onto it
+                raise
             if self.step == 1 and self.eval_before:   # the run's starting point, in its own record
                 m.update({k.replace("eval/", "eval_before/", 1): v for k, v in self.eval_before.items()})
             for msg in self.guard.update(m, self.eval_before):

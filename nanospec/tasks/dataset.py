@@ -103,6 +103,12 @@ class DatasetTask:
             raise ValueError(f"split must be 'train' or 'test', got {split!r}")
         if self._rows is None:
             self._rows = self._split(_load(self.source, self.config))
+        if not self._rows[split]:
+            train, test = self.splits
+            raise ValueError(f"task.dataset: {self.source} split {(test if split == 'test' else train)!r} has no rows"
+                             if split == "train" or test is not None else
+                             f"task.test_fraction: the seeded cut of {self.test_fraction} of {self.source}'s "
+                             f"{len(self._rows['train'])} rows leaves no test rows")
         return self._rows[split]
 
     def _split(self, data: dict[str, list[dict]]) -> dict[str, list[tuple[int, dict]]]:
@@ -123,10 +129,7 @@ class DatasetTask:
                    "train": [out["train"][i] for i in sorted(order[cut:])]}
         for split, rows in out.items():
             name = test if split == "test" and test is not None else train
-            if not rows:
-                raise ValueError(f"task.dataset: {self.source} split {name!r} has no rows"
-                                 + ("" if split == "train" or test is not None else " left after the test cut"))
-            missing = self.fields - set(rows[0][1])
+            missing = self.fields - set(rows[0][1]) if rows else set()
             if missing:
                 raise ValueError(f"task.prompt: column {sorted(missing)[0]!r} not in {self.source} split {name!r} "
                                  f"(columns: {', '.join(rows[0][1])})")
