@@ -3,7 +3,7 @@
 One step, on every rank (torch.distributed, gloo on CPU / nccl on GPU; world 1 without a group):
     problems(step)           the global prompt list, a pure function of (seed, step): resumable
     RolloutWorker.run        this rank's whole groups, G samples each, speculative and exact
-    task.reward              -> group_advantages (groups never straddle ranks)
+    tasks.score (rewards)    -> group_advantages (groups never straddle ranks)
     forward (plain causal)   trainer logprobs; at mu=1 their detached copy *is* the recompute of
                              pi_old, so `mismatch/*` (engine vs trainer, ~1e-6 in fp32) costs nothing
     policy_loss per micro-batch, scaled by the GLOBAL seq/token counts (loss.py contract), backward
