@@ -236,7 +236,7 @@ def test_folder_splits_parquet_csv_and_split_errors(tmp_path):
         assert len(t.train()) == len(t.test()) == 1, f
     with pytest.raises(ValueError, match=r"task\.test_split: expected a split of .*d\.csv \(train\) or null"):
         DatasetTask(str(tmp_path / "d.csv"), rewards=["test_dataset:exact_sum"]).train()
-    one = DatasetTask(str(write_jsonl(tmp_path / "one.jsonl", [{"prompt": "a"}])), rewards=["test_dataset:exact_sum"],
+    one = DatasetTask(str(write_jsonl(tmp_path / "one.jsonl", [{"prompt": "a", "answer": 1}])), rewards=["test_dataset:exact_sum"],
                       test_split=None)
     assert len(one.train()) == 1
     with pytest.raises(ValueError, match=r"task\.test_fraction: the seeded cut of 0\.2 of .*one\.jsonl's 1 rows leaves no test"):
@@ -261,6 +261,10 @@ def test_reward_errors_name_function_and_row(tmp_path):
         score(make("raises_on_seven"), probs, ["x"] * 4)
     with pytest.raises(RewardError, match=r"^reward wrong_length: returned 5 values for 4 completions"):
         score(make("wrong_length"), probs, ["x"] * 4)
+    write_jsonl(tmp_path / "na.jsonl", [{"prompt": "p", "solution": 1}] * 3)
+    with pytest.raises(ValueError, match=r"task\.rewards\[0\]: exact_sum takes column 'answer', not in .*na\.jsonl "
+                                         r"split 'train' \(columns: solution\)"):
+        DatasetTask(str(tmp_path / "na.jsonl"), rewards=["test_dataset:exact_sum"], test_split=None).train()
     with pytest.raises(ValueError, match=r"task\.reward_weights: expected 1 weights"):
         DatasetTask(str(data), rewards=["test_dataset:exact_sum"], reward_weights=[1.0, 2.0])
     with pytest.raises(ValueError, match=r"task\.rewards\[1\]: expected 'module\.path:function', got 'exact_sum'"):

@@ -129,10 +129,16 @@ class DatasetTask:
                    "train": [out["train"][i] for i in sorted(order[cut:])]}
         for split, rows in out.items():
             name = test if split == "test" and test is not None else train
-            missing = self.fields - set(rows[0][1]) if rows else set()
+            have = set(rows[0][1]) if rows else None
+            missing = self.fields - have if rows else set()
             if missing:
                 raise ValueError(f"task.prompt: column {sorted(missing)[0]!r} not in {self.source} split {name!r} "
                                  f"(columns: {', '.join(rows[0][1])})")
+            for i, (fn, cols) in enumerate(zip(self.rewards.names, self.rewards.columns)):
+                gone = [c for c in cols if rows and (c not in have or (c == self.prompt and not self.template))]
+                if gone:
+                    raise ValueError(f"task.rewards[{i}]: {fn} takes column {gone[0]!r}, not in {self.source} split "
+                                     f"{name!r} (columns: {', '.join(k for k in have if k != self.prompt)})")
         return out
 
     @property

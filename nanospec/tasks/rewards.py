@@ -16,6 +16,7 @@ naming the function and the row, and train.py turns it into exit status 2.
 from __future__ import annotations
 
 import importlib
+import inspect
 import math
 import numbers
 import re
@@ -80,6 +81,16 @@ def load_reward(spec: str, field: str):
     return fn
 
 
+def _required(fn) -> list[str]:
+    """Keyword parameters of `fn` without a default, beyond what every call passes: dataset columns."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):     # no signature to read (a builtin): the first call will tell
+        return []
+    return [p.name for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+            and p.name not in ("prompts", "completions", "completion_ids")]
+
+
 def _line(e: Exception) -> str:
     msg = str(e).strip().splitlines()
     return f"{type(e).__name__}: {msg[0]}" if msg else type(e).__name__
@@ -99,6 +110,7 @@ class Rewards:
             if self.names.count(n) > 1:
                 self.names[i] = specs[i].replace(":", ".")
         self.weights = list(weights) if weights is not None else [1.0] * len(specs)
+        self.columns = [_required(fn) for fn in self.fns]    # the columns each function cannot do without
 
     def __call__(self, prompts: list, completions: list, columns: dict[str, list], rows: list[str],
                  completion_ids: list | None = None) -> tuple[list[float], dict[str, list]]:
