@@ -269,3 +269,13 @@ def test_reward_errors_name_function_and_row(tmp_path):
         DatasetTask(str(data), rewards=["test_dataset:exact_sum"], reward_weights=[1.0, 2.0])
     with pytest.raises(ValueError, match=r"task\.rewards\[1\]: expected 'module\.path:function', got 'exact_sum'"):
         DatasetTask(str(data), rewards=["test_dataset:exact_sum", "exact_sum"])
+
+
+def test_tensorboard_asked_for_but_missing_is_one_config_line(monkeypatch):
+    import importlib.util
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
+    with pytest.raises(ValueError, match=r"run\.log_to: expected no tensorboard without the tensorboard package "
+                                         r"\(pip install tensorboard\), got \['jsonl', 'tensorboard'\]"):
+        config_from_dict({"run": {"log_to": ["jsonl", "tensorboard"]}})
+    assert config_from_dict({"run": {"log_to": ["jsonl"]}}).run.log_to == ["jsonl"]
