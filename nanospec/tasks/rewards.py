@@ -120,8 +120,10 @@ class Rewards:
         kw = dict(columns, **({"completion_ids": completion_ids} if completion_ids is not None else {}))
         for fn, name, w in zip(self.fns, self.names, self.weights):
             values = self._call(fn, name, prompts, completions, kw, rows)
-            if not isinstance(values, (list, tuple)) or len(values) != n:
-                got = f"{len(values)} values" if isinstance(values, (list, tuple)) else type(values).__name__
+            seq = hasattr(values, "__len__") and not isinstance(values, (str, bytes, dict))   # list, tuple, array
+            values = list(values) if seq else values
+            if not seq or len(values) != n:
+                got = f"{len(values)} values" if seq else type(values).__name__
                 raise RewardError(f"reward {name}: returned {got} for {n} completions ({rows[0]}, ...); "
                                   f"expected a list of {n} floats or None")
             for i, v in enumerate(values):
