@@ -85,8 +85,8 @@ def truncated_draft(model_dir, layers: int, out: str) -> str:
 
 def rollouts(model_dir, model, tok, opts, workdir) -> list[dict]:
     from nanospec.config import SpeculationConfig
-    from nanospec.tasks import format_prompt, get_task
-    problems = get_task("gsm8k").test(opts.prompts)
+    from nanospec.tasks import format_prompt, gsm8k_task, score
+    problems = gsm8k_task().test(opts.prompts)
     prompts = [format_prompt(tok, p.prompt) for p in problems]
     draft = truncated_draft(model_dir, opts.draft_layers, f"{workdir}/draft")
     variants = [("AR", None, False)] + [(f"{n} +policies", s, True) for n, s in DRAFTERS] + \
@@ -104,7 +104,7 @@ def rollouts(model_dir, model, tok, opts, workdir) -> list[dict]:
         engines[name] = llm
     timed = sorted(opts.history)
     acc, drawn = {}, {}                      # (name, pass) -> seconds, tokens, summary, policy stats;
-    task = get_task("gsm8k")                 #   -> [(response length, reward)] of every sample
+    task = gsm8k_task()                      #   -> [(response length, reward)] of every sample
     keys = list(range(len(prompts)))
     for p in range(max(timed) + opts.reps):  # pass p: the drafters have seen p earlier rollouts
         params = SamplingParams(temperature=opts.temperature, max_tokens=opts.max_tokens, n=opts.G, seed=100 + p)
@@ -119,7 +119,8 @@ def rollouts(model_dir, model, tok, opts, workdir) -> list[dict]:
             outs = llm.generate(prompts, params, use_tqdm=False, prompt_keys=keys)
             acc[name, p] = (time.perf_counter() - t0, sum(len(o.token_ids) for o in outs), llm.summary(),
                             llm.controller.stats() if llm.controller is not None else {})
-            drawn[name, p] = [(len(o.token_ids), task.reward(problems[i // opts.G], o.text)) for i, o in enumerate(outs)]
+            rewards = score(task, [problems[i // opts.G] for i in range(len(outs))], [o.text for o in outs])[0]
+            drawn[name, p] = [(len(o.token_ids), r) for o, r in zip(outs, rewards)]
     rows = []
     rate = lambda name, p: acc[name, p][1] / acc[name, p][0]       # tokens / s of one pass
     for h in timed:         # passes h .. h + reps - 1; the stats are those of pass h

@@ -26,7 +26,7 @@ from nanospec.drafters import registry
 # Allowed values, defined once; the modules that act on them import these.
 ARCHS = ("llama", "qwen2", "qwen3")                  # models/decoder.py
 DTYPES = ("float32", "bfloat16", "float16")          # models/loader.py
-TASK_NAMES = ("synthetic", "gsm8k", "arith")         # tasks/__init__.py
+TASK_NAMES = ("synthetic", "arith", "dataset")       # tasks/__init__.py (TASKS)
 LOSS_TYPES = ("grpo", "dapo")                        # rl/loss.py
 TIS_MODES = ("truncate", "mask")                     # rl/loss.py
 
@@ -61,8 +61,14 @@ class ModelConfig:
 
 @dataclass
 class TaskConfig:
-    name: str = "synthetic"             # synthetic | gsm8k | arith (word problems, for real models)
-    data_path: str | None = None        # gsm8k: folder with train/test.jsonl (null: $NANOSPEC_DATA or ../shared/data)
+    name: str = "synthetic"             # synthetic | arith (word problems, for real models) | dataset (yours)
+    dataset: str | None = None          # dataset: json/jsonl/parquet/csv file or folder, or a hub id (tasks/dataset.py)
+    dataset_config: str | None = None   # dataset: the hub dataset's config name
+    prompt: str = "prompt"              # dataset: the prompt column, or a format template over the columns
+    rewards: list[str] = field(default_factory=list)   # dataset: module.path:function, TRL's signature
+    reward_weights: list[float] | None = None         # dataset: null = 1 each
+    train_split: str = "train"
+    test_split: str | None = "test"     # null: a seeded cut of test_fraction of the train split
     seed: int = 0
     num_train: int = 4096               # size of the training prompt pool
     num_test: int = 256
@@ -75,7 +81,12 @@ class TaskConfig:
     format_credit: float = 0.1          # arith: reward for a wrong number stated after '####'
 
     def rules(self):
+        ds = self.name == "dataset"
         return [("name", self.name in TASK_NAMES, _one_of(TASK_NAMES)),
+                ("dataset", not ds or bool(self.dataset), "a file, folder or hub id for task.name dataset"),
+                ("rewards", not ds or len(self.rewards) > 0, "at least one 'module.path:function' for task.name dataset"),
+                ("reward_weights", self.reward_weights is None or len(self.reward_weights) == len(self.rewards),
+                 f"null or {len(self.rewards)} weights, one per reward"),
                 *_pos(self, "num_train", "min_steps"),
                 ("num_test", self.num_test >= 0, ">= 0"),
                 ("max_steps", self.min_steps <= self.max_steps <= 26, "in [min_steps, 26]"),
@@ -214,9 +225,15 @@ class RunConfig:
     resume: bool = False
     eval_every: int = 0                 # 0: eval only at the start and the end
     num_threads: int = 1                # torch threads per rank
+    log_to: list[str] = field(default_factory=lambda: ["jsonl"])   # + tensorboard (RUN_DIR/tensorboard)
 
     def rules(self):
+        import importlib.util
         return [("out_dir", self.out_dir.strip() != "", "a non-empty path"),
+                ("log_to", "jsonl" in self.log_to and set(self.log_to) <= {"jsonl", "tensorboard"},
+                 "a list of jsonl (metrics.jsonl, the run's record: always) and tensorboard"),
+                ("log_to", "tensorboard" not in self.log_to or importlib.util.find_spec("tensorboard") is not None,
+                 "no tensorboard without the tensorboard package (pip install tensorboard)"),
                 ("save_every", self.save_every >= 0, ">= 0"), ("eval_every", self.eval_every >= 0, ">= 0"),
                 *_pos(self, "num_threads")]
 
@@ -332,6 +349,7 @@ def _set(raw, origin, sec, key, v, src) -> None:
     sec = {"policies": "speculation"}.get(sec, sec)     # the section's name in earlier configs
     if (sec, key) == ("run", "log_every"):                # a key earlier run dirs hold; it did nothing
         return
+    key = {("task", "data_path"): "dataset"}.get((sec, key), key)   # its name in earlier run dirs
     if sec not in SECTIONS:
         raise ValueError(f"{src}: unknown section {sec!r}; expected one of {list(SECTIONS)}")
     if key is None:

@@ -704,8 +704,8 @@ def main(argv: list[str] | None = None) -> int:
         runs = [(label, tr[a.skip:] if len(tr) > a.skip else tr) for label, tr in runs]
         if a.lengths:
             if a.lengths == "gsm8k":
-                from nanospec.tasks.gsm8k import default_data_dir
-            path = default_data_dir() / "train.jsonl" if a.lengths == "gsm8k" else Path(a.lengths)
+                from nanospec.tasks.dataset import default_gsm8k_dir
+            path = default_gsm8k_dir() / "train.jsonl" if a.lengths == "gsm8k" else Path(a.lengths)
             if a.acceptance is None:
                 raise ValueError("--lengths needs --acceptance (the drafts' per-token acceptance)")
             runs = [(f"gsm8k x{a.prompts}x{a.G}" + (f", lengths x{a.length_scale:g}" if a.length_scale != 1 else ""),

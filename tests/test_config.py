@@ -40,7 +40,7 @@ def test_shipped_configs_content():
     assert da["sft"] == aa["sft"] and da["run"]["seed"] == aa["run"]["seed"]
     q = load_config(Path(DEFAULT).with_name("gsm8k_qwen3.yaml"))
     assert (q.task.name, q.model.path, q.rollout.device, q.rollout.dtype, q.rollout.use_cuda_graphs) == \
-        ("gsm8k", "/path/to/Qwen3-0.6B", "cuda", "bfloat16", True)
+        ("dataset", "/path/to/Qwen3-0.6B", "cuda", "bfloat16", True)
 
 
 def test_overrides_and_yaml_roundtrip(tmp_path):
@@ -72,7 +72,9 @@ def _err(overrides, match, path=DEFAULT):
     ("--model.arch=gpt2", r"model\.arch: expected one of llama, qwen2, qwen3, got 'gpt2'"),
     ("--model.num_kv_heads=3", r"model\.num_kv_heads: expected a divisor of num_heads \(4\), got 3"),
     ("--model.hidden_size=250", r"model\.hidden_size: expected divisible by num_heads \(4\) unless head_dim is set, got 250"),
-    ("--task.name=mnist", r"task\.name: expected one of synthetic, gsm8k"),
+    ("--task.name=mnist", r"task\.name: expected one of synthetic, arith, dataset"),
+    ("--task.reward_weights=[1.0]", r"task\.reward_weights: expected null or 0 weights, one per reward"),
+    ("--run.log_to=[tensorboard]", r"run\.log_to: expected a list of jsonl \(metrics\.jsonl"),
     ("--task.max_steps=30", r"task\.max_steps: expected in \[min_steps, 26\]"),
     ("--sft.error_rate=1.5", r"sft\.error_rate: expected in \[0, 1\], got 1.5"),
     ("--grpo.top_p=0", r"grpo\.top_p: expected in \(0, 1\]"),
@@ -114,7 +116,9 @@ def test_validation_errors_name_key_source_and_expectation(override, expected):
 
 
 def test_cross_field_error_names_the_file():
-    _err(["--task.name=gsm8k"], re.escape(DEFAULT) + r": model\.path: expected an HF model directory")
+    _err(["--task.name=arith"], re.escape(DEFAULT) + r": model\.path: expected an HF model directory")
+    _err(["--task.name=dataset"], re.escape(DEFAULT) + r": task\.dataset: expected a file, folder or hub id")
+    _err(["--task.name=dataset", "--task.dataset=x.jsonl"], re.escape(DEFAULT) + r": task\.rewards: expected at least one")
 
 
 def test_lenience_on_prior_is_allowed_but_warns_lossy():
