@@ -12,9 +12,9 @@
    per-pass tokens/s ratios to AR (one pass of 8 rows is a few seconds, and this shared box drifts by
    ~10% between passes): there the drafters have seen h (and more) earlier rollouts of these prompts
    (the prior-rollout store, the suffix trees), as they would after that many GRPO epochs. `+policies` rows
-   run the trainer's controller (cost-model toggle, per-token trimming, draft-length ladder; the
-   `speculation` config defaults); next to each row's measured speedup stands the toggle's verdict (the
-   fraction of its decisions that speculated, and its mean predicted speedup). The draft model is the
+   run the trainer's draft controller (engine/controller.py's rule, the `speculation` config defaults);
+   next to each row's measured speedup stand the fraction of steps that verified drafts and the mean
+   draft length verified. The draft model is the
    policy's first `--draft-layers` layers (same tokenizer; no smaller SmolLM2 is reachable here).
 3. Peak RSS of the whole run.
 Samples differ between variants (same distribution, other draws): speedup compares tokens/s, and each row
@@ -136,8 +136,7 @@ def rollouts(model_dir, model, tok, opts, workdir) -> list[dict]:
                              tokens_per_s=tokens / seconds, speedup=speedup,
                              target_forwards_per_token=s["target_forwards_per_token"],
                              acceptance_rate=s["acceptance_rate"] if spec else None,
-                             toggle_on=ps.get("toggle_on_fraction"),
-                             toggle_predicted=ps.get("toggle_mean_predicted_speedup"),
+                             draft_len=ps.get("draft_len_mean"),
                              spec_on_frac=ps.get("spec_on_frac"), len_mean=statistics.fmean(n for n, _ in mine),
                              reward_mean=statistics.fmean(r for _, r in mine),
                              len_ks_p=float(ks_2samp([n for n, _ in mine], [n for n, _ in ar]).pvalue),

@@ -15,6 +15,7 @@ import json
 import numbers
 import types
 import typing
+import warnings
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -188,33 +189,27 @@ class RolloutConfig:
 class SpeculationConfig:
     bubble_drafting: bool = True        # idle fast ranks pre-draft for slow ranks (BubbleSpec)
     length_aware_assignment: bool = True  # balance predicted rollout length across ranks (DAS)
-    length_classes: list[int] = field(default_factory=lambda: [18, 72])  # [] : off
-    length_class_budgets: list[int] | None = None  # null: chosen by the cost model at start-up
-    toggle: bool = True                 # speculate only where the cost model predicts a speedup
-    toggle_min_speedup: float = 1.05
-    adaptive_draft_length: bool = True  # acceptance-aware ladder (EfficientRollout)
-    draft_ladder: list[int] = field(default_factory=lambda: [2, 4, 6, 8])  # capped at num_draft_tokens
-    ladder_up: float = 0.94
-    ladder_down: float = 0.85
+    length_classes: list[int] = field(default_factory=list)  # answer lengths splitting DAS classes; [] : off
+    length_class_budgets: list[int] | None = None  # the draft cap per class (needed with length_classes)
+    toggle: bool = True                 # draft only where the cost model predicts a speedup (false: the cap)
+    toggle_min_speedup: float = 1.05    # the one threshold of engine/controller.py's rule
     # Repeatable runs (tests, exact resume checks): the two choices made from wall-clock time, fixed
     latency_profile: str | None = None  # a profile JSON whose cost model replaces the clock (latency.py)
     bubble_token_budget: int | None = None  # null: bubble-draft until the last rank ends; N: N tokens
 
     def rules(self):
-        c, b, lad = self.length_classes, self.length_class_budgets, self.draft_ladder
+        c, b = self.length_classes, self.length_class_budgets
         p, n = self.latency_profile, self.bubble_token_budget
         return [("latency_profile", p is None or Path(p).is_file(), "null or an existing profile JSON file"),
                 ("bubble_token_budget", n is None or (is_int(n) and n >= 1), "null or an int >= 1"),
                 ("length_classes", all(t > 0 for t in c) and all(x < y for x, y in zip(c, c[1:])),
                  "strictly increasing lengths > 0 ([] = off)"),
-                ("length_class_budgets", not c or b is None or len(b) == len(c) + 1,
-                 f"null or len(length_classes) + 1 = {len(c) + 1} draft budgets"),
+                ("length_classes", not c or b is not None, "[] unless length_class_budgets gives each class "
+                 "its draft cap (the controller prices every step itself)"),
+                ("length_class_budgets", b is None or len(b) == len(c) + 1,
+                 f"null or len(length_classes) + 1 = {len(c) + 1} draft caps"),
                 ("length_class_budgets", b is None or all(x >= 0 for x in b), "draft budgets >= 0"),
-                ("toggle_min_speedup", self.toggle_min_speedup > 0, "> 0"),
-                ("draft_ladder", len(lad) > 0 and lad[0] >= 1 and all(x < y for x, y in zip(lad, lad[1:])),
-                 "a non-empty strictly increasing list of ints >= 1"),
-                ("ladder_up", 0 < self.ladder_up <= 1, "in (0, 1]"),
-                ("ladder_down", 0 < self.ladder_down < self.ladder_up, f"in (0, ladder_up={self.ladder_up})")]
+                ("toggle_min_speedup", self.toggle_min_speedup > 0, "> 0")]
 
 
 @dataclass
@@ -350,6 +345,10 @@ def _set(raw, origin, sec, key, v, src) -> None:
     if (sec, key) == ("run", "log_every"):                # a key earlier run dirs hold; it did nothing
         return
     key = {("task", "data_path"): "dataset"}.get((sec, key), key)   # its name in earlier run dirs
+    if sec == "speculation" and key in ("adaptive_draft_length", "draft_ladder", "ladder_up", "ladder_down"):
+        warnings.warn(f"{src}: speculation.{key} is no longer used and is ignored: draft lengths follow the "
+                      f"measured per-position acceptance (engine/controller.py), capped by num_draft_tokens")
+        return
     if sec not in SECTIONS:
         raise ValueError(f"{src}: unknown section {sec!r}; expected one of {list(SECTIONS)}")
     if key is None:

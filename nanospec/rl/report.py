@@ -404,7 +404,7 @@ def write_report(run_dir, compare_dir=None) -> str:
     spec = [("accepted length", [("mean_accepted_len", "all")] + per("mean_accepted_len")),
             ("target fwd / token", [("target_forwards_per_token", "all")]),
             ("acceptance rate", per("acceptance_rate")),
-            ("draft length", [("draft_len_mean", "ladder")] + per("draft_len")),
+            ("draft length", [("draft_len_mean", "all")] + per("draft_len")),
             ("spec on frac", [("spec_on_frac", "spec on"), ("bubble_recovered_frac", "bubble recovered")])]
     train = [("loss", [("loss", "loss")]), ("grad norm", [("grad_norm", "grad norm")]),
              ("kl / clip", [("kl", "kl"), ("clip_frac", "clip frac")]),
