@@ -169,3 +169,86 @@ def test_fsdp_resumes_at_another_world_size(runs, tmp_path):
     log = launch(src, run, "--run.sharding=fsdp", f"--dump={tmp_path / 'two.pt'}", script=str(script))
     assert "written by 1 rank(s), this run has 2" in log
     same_state(tmp_path / "two.pt", run / "checkpoints" / "step_000003")
+
+
+@pytest.fixture
+def world_one():
+    """FSDP at world 1 in this process: shard_policy opens a one-rank gloo group; closed afterwards."""
+    yield
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def test_engine_weights_sleep_and_gathered_sync(tmp_path, world_one):
+    """Sharded policy, engine with its own copy: level-2 sleep frees the engine's weights, the sync
+    after wake-up refills them from the shards in place, and the NF4 self-drafter re-quantizes."""
+    from torch.distributed.tensor import DTensor
+    from test_grpo import tiny_cfg
+    from nanospec.rl.grpo import Trainer
+    cfg = tiny_cfg(tmp_path, run__sharding="fsdp", rollout__sleep_level=2,
+                   rollout__speculative={"method": "self_nf4", "num_draft_tokens": 4})
+    tr = Trainer(cfg, log=lambda *a: None)
+    assert all(isinstance(p, DTensor) for p in tr.policy.parameters())
+    engine = dict(tr.llm.model.named_parameters())
+    ids = {n: id(p) for n, p in engine.items()}
+    tr.llm.sleep(2)
+    assert all(p.untyped_storage().nbytes() == 0 for p in engine.values())
+    with torch.no_grad():
+        for p in tr.policy.parameters():
+            p.to_local().mul_(1.5)
+    tr.llm.wake_up()
+    tr.sync_weights()
+    assert {n: id(p) for n, p in tr.llm.model.named_parameters()} == ids      # the same tensors, refilled
+    for n, p in tr.policy.named_parameters():
+        assert torch.equal(engine[n], p.full_tensor()), n
+    m = {}
+    tr.drafter_health(m)
+    assert m["drafter/self_nf4/checksum_ok"] == 1.0
+    tr.train()                                  # 2 steps, the engine asleep (level 2) while each learns
+    recs = [r for _, r in read_jsonl(tmp_path / "run" / "metrics.jsonl")]
+    assert [r["step"] for r in recs] == [0, 1] and all(r["drafter/self_nf4/checksum_ok"] == 1.0 for r in recs)
+
+
+def test_activation_checkpointing_gives_the_same_update(tmp_path, world_one, monkeypatch):
+    from test_grpo import fixed_samples, tiny_cfg
+    from nanospec.models import decoder
+    from nanospec.rl.grpo import Trainer
+    cfg = lambda **kw: tiny_cfg(tmp_path, run__sharding="fsdp", grpo__learning_rate=1e-2, **kw)
+    samples = fixed_samples(Trainer(cfg(), log=lambda *a: None))
+    calls, mlp = [], decoder.MLP.forward      # (recomputation runs no module hooks: count the calls)
+    monkeypatch.setattr(decoder.MLP, "forward", lambda self, x: calls.append(1) or mlp(self, x))
+
+    def learned(c):       # (parameters, gradients) after one learn step, gathered; MLP forwards
+        tr = Trainer(c, log=lambda *a: None)
+        calls.clear()
+        tr.learn(samples)
+        flat = lambda ts: torch.cat([t.full_tensor().flatten() for t in ts])
+        return flat(p.detach() for p in tr.policy.parameters()), flat(p.grad for p in tr.policy.parameters()), len(calls)
+
+    (p0, g0, c0), (p1, g1, c1) = learned(cfg()), learned(cfg(run__activation_checkpointing=True))
+    assert g0.abs().max() > 1e-3 and torch.equal(g0, g1) and torch.equal(p0, p1)
+    assert c1 == 2 * c0 > 0          # each layer runs again in backward: its activations were not kept
+
+
+def test_sleep_level_2_needs_an_engine_copy():
+    from nanospec.config import config_from_dict
+    with pytest.raises(ValueError, match="rollout.sleep_level: expected 1 unless the engine holds its own weights"):
+        config_from_dict({"rollout": {"sleep_level": 2}})
+    with pytest.raises(ValueError, match="run.sharding: expected one of"):
+        config_from_dict({"run": {"sharding": "ddp"}})
+    assert config_from_dict({"rollout": {"sleep_level": 2}, "run": {"sharding": "fsdp"}}).rollout.sleep_level == 2
+
+
+def test_simulator_memory_per_rank():
+    """16 bytes of fp32 training state per parameter replicated, 16 / W under FSDP; an 8B model on
+    8 H100s fits only sharded; sleep level 2 takes the engine copy out of the training peak."""
+    from nanospec.simulate import MODELS, ModelShape, memory_rows
+    m = ModelShape.from_config(MODELS["qwen3-8b"], "qwen3-8b")
+    rows = {(r["sharding"], r["sleep_level"]): r for r in memory_rows(m, 8, 256 * 1024, 80e9)}
+    gib = m.params / 2**30
+    none, fsdp1, fsdp2 = rows["none", 1], rows["fsdp", 1], rows["fsdp", 2]
+    assert abs(none["weights_gib"] + none["grads_gib"] + none["optimizer_gib"] - 16 * gib) < 1e-6
+    assert abs(fsdp1["optimizer_gib"] - none["optimizer_gib"] / 8) < 1e-6
+    assert not none["fits"] and fsdp1["fits"] and fsdp2["peak_gib"] <= fsdp1["peak_gib"]
+    tiny = {(r["sharding"], r["sleep_level"]): r for r in memory_rows(m, 8, 0, 80e9)}    # no KV: training peaks
+    assert tiny["fsdp", 2]["peak_gib"] < tiny["fsdp", 1]["peak_gib"]

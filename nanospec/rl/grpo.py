@@ -8,6 +8,7 @@ One step, on every rank (torch.distributed, gloo on CPU / nccl on GPU; world 1 w
                              pi_old, so `mismatch/*` (engine vs trainer, ~1e-6 in fp32) costs nothing
     policy_loss per micro-batch, scaled by the GLOBAL seq/token counts (loss.py contract), backward
     all_reduce(SUM) of one flat gradient buffer -> clip -> AdamW -> LR schedule
+                             (run.sharding fsdp: FSDP2 reduce-scatters in backward; rl/sharding.py)
     llm.load_weights         in-place copy into the engine's own model + drafter refresh ("weight sync")
     drafter health           self-drafter checksum; acceptance-collapse warning per drafter
     metrics.jsonl line (rank 0), checkpoint every run.save_every steps and at the end
@@ -59,7 +60,8 @@ from nanospec.rl.loss import (group_advantages, logprob_mismatch, policy_loss, t
                              token_logprobs)
 from nanospec.rl.report import headline, load_metrics
 from nanospec.rl.rollout import RolloutWorker, Sample
-from nanospec.rl.sharding import clip_grad_norm_, full_weights, load_training_state, shard_policy, training_state
+from nanospec.rl.sharding import (clip_grad_norm_, full_weights, load_training_state, shard_policy, state_bytes,
+                                  training_state)
 from nanospec.engine.sequence import SamplingParams
 from nanospec.rl.sft import prepare_sft_model
 from nanospec.tasks import format_prompt, task_from_config
@@ -420,6 +422,7 @@ class Trainer:
             self.llm.sleep(self.cfg.rollout.sleep_level)   # one host RAM: the KV pool's memory serves the backward
         t_learn = time.perf_counter()
         rec = self.learn(ro.samples)
+        rec["state_gib"] = state_bytes(self.policy, self.opt) / 2**30     # with this step's gradients
         self.opt.zero_grad(set_to_none=True)     # no gradient memory held through the next rollout
         t_learned = time.perf_counter()
         self.pending = ahead.result() if ahead is not None else None    # re-raises the thread's error
@@ -433,7 +436,7 @@ class Trainer:
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20     # KiB on Linux -> GiB
         recs = dist.all_gather_object(dict(rec, rollout_time=ro.end - ro.start, peak_rss=rss))
         m.update(self._merge(recs), step=step, time_weight_sync=t_sync, lr=self.sched.get_last_lr()[0],
-                 rank_peak_rss_gib=[r["peak_rss"] for r in recs],
+                 rank_peak_rss_gib=[r["peak_rss"] for r in recs], rank_train_state_gib=[r["state_gib"] for r in recs],
                  rank_train_time=[r["time"] for r in recs], time_train=max(r["time"] for r in recs),
                  rank_rollout_time=[r["rollout_time"] for r in recs])
         self.drafter_health(m)

@@ -17,7 +17,11 @@ same number of micro-batches (the trainer pads the shorter ranks with zero-weigh
 """
 from __future__ import annotations
 
+import functools
+import warnings
+
 import torch
+from torch.utils.checkpoint import checkpoint
 from torch.distributed.tensor import DTensor
 
 from nanospec.rl import dist
@@ -30,7 +34,6 @@ def shard_policy(model: torch.nn.Module, activation_checkpointing: bool = False)
     The root keeps its parameters gathered after forward (reshard_after_forward=False): the trainer
     calls `model.logits` on chunks of the hidden states outside forward (grpo.completion_logprobs), and
     the root's embedding / lm_head (tied or not) must stay whole until its backward has run."""
-    from torch.distributed._composable import checkpoint
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
     dev = next(model.parameters()).device
@@ -41,10 +44,12 @@ def shard_policy(model: torch.nn.Module, activation_checkpointing: bool = False)
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if dev.type == "cuda"
           else MixedPrecisionPolicy())
     for layer in model.model.layers:
-        if activation_checkpointing:
-            checkpoint(layer)        # composable: parameter names (and so checkpoints, weight sync) unchanged
+        if activation_checkpointing:   # the layer's forward, not a wrapper module: parameter names stay
+            layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+    # forward returns a view of its last activation; the trainer only reads from it (no in-place op)
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPCausalLM\) returned a view tensor")
     for m in model.modules():
         if isinstance(m, FSDPModule):   # SUM, not the default mean: the losses carry the global scaling
             m.set_gradient_divide_factor(1.0)
@@ -96,3 +101,12 @@ def load_training_state(model: torch.nn.Module, opt: torch.optim.Optimizer, load
     load(state)
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     opt.zero_grad(set_to_none=True)
+
+
+def state_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
+    """Bytes of training state this rank holds: its parameters, gradients and optimizer state (local
+    shards when sharded). Replicated fp32 AdamW: 16 per parameter; FSDP over W ranks: 16 / W."""
+    local = lambda t: t.to_local() if isinstance(t, DTensor) else t
+    ts = [local(p) for p in model.parameters()] + [local(p.grad) for p in model.parameters() if p.grad is not None]
+    ts += [local(v) for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]
+    return sum(t.numel() * t.element_size() for t in ts)
