@@ -2,9 +2,10 @@
 
     python bench.py --suite scale [--params 0.8e9] [--steps 2] [--max-tokens 16] [--skip-smollm2]
 
-1. SmolLM2-135M-Instruct (configs/smollm2_arith.yaml, short): run.sharding none vs fsdp. Peak RSS per
-   rank (ru_maxrss, model loading included) and the training state each rank holds (parameters,
-   gradients, AdamW moments: the trainer's `rank_train_state_gib` metric) in bytes per parameter.
+1. SmolLM2-135M-Instruct (configs/smollm2_arith.yaml, short): run.sharding none vs fsdp, the latter at
+   rollout.sleep_level 1 and 2. Peak RSS per rank (ru_maxrss, model loading included) and the training
+   state each rank holds (parameters, gradients, AdamW moments: the trainer's `rank_train_state_gib`
+   metric) in bytes per parameter.
 2. A random model of SmolLM2-1.7B's width (hidden 2048, MLP 8192, 32 heads, SmolLM2's tokenizer)
    with as many layers as give >= --params parameters, under fsdp with rollout.sleep_level 2 (the
    engine's weights freed while training): --steps GRPO steps of --max-tokens completions. Its
@@ -92,9 +93,9 @@ def run(args) -> list[dict]:
             from nanospec.models.decoder import CausalLM
             with torch.device("meta"):
                 n = sum(p.numel() for p in CausalLM(read_args(resolve_model(SMOL))).parameters())
-            for sh in ("none", "fsdp"):
-                recs = train(tmp / f"smol_{sh}", *short, f"--run.sharding={sh}")
-                rows.append(row(f"SmolLM2-135M {sh}", recs, n, sh, 1))
+            for sh, sleep in (("none", 1), ("fsdp", 1), ("fsdp", 2)):
+                recs = train(tmp / f"smol_{sh}{sleep}", *short, f"--run.sharding={sh}", f"--rollout.sleep_level={sleep}")
+                rows.append(row(f"SmolLM2-135M {sh}" + (" sleep 2" if sleep == 2 else ""), recs, n, sh, sleep))
         model, n = random_model(a.params, tmp / "random")
         recs = train(tmp / "random_run", *short, f"--model.path={model}", "--run.sharding=fsdp",
                      "--rollout.sleep_level=2")

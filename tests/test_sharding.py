@@ -71,10 +71,10 @@ def runs(tmp_path_factory):
     return tmp, log
 
 
-@pytest.mark.slow
-def test_fsdp_matches_replicated_on_two_ranks(runs):
-    tmp, log = runs
-    ref, got = metrics(tmp / "none"), metrics(tmp / "fsdp")
+def assert_same_run(tmp, none, fsdp) -> None:
+    """Every untimed metric of the 3 steps within rel 1e-5, the final weights within 1e-5 (and 1% of
+    how far training moved them)."""
+    ref, got = metrics(tmp / none), metrics(tmp / fsdp)
     assert [r["step"] for r in got] == [0, 1, 2] and got[0]["speculative"] == "prior+suffix"
     assert sum(r["accepted_tokens"] for r in got) > 0 and sum(r["bubble_draft_accepted"] for r in got) > 0
     for a, b in zip(ref, got):
@@ -84,14 +84,30 @@ def test_fsdp_matches_replicated_on_two_ranks(runs):
                if not close(a[k], b[k], abs_=1e-5 if k.startswith("mismatch/") else 0.0)]
         assert not bad, (a["step"], bad)
     from safetensors.torch import load_file
-    w0, w1, init = weights(tmp / "none"), weights(tmp / "fsdp"), load_file(tmp / "sft" / "model.safetensors")
+    w0, w1, init = weights(tmp / none), weights(tmp / fsdp), load_file(tmp / "sft" / "model.safetensors")
     moved = max(float((w0[k] - init[k]).abs().max()) for k in w0)      # 3 steps at lr 5e-5: ~1.5e-4
     diff = max(float((w0[k] - w1[k]).abs().max()) for k in w0)
     assert w0.keys() == w1.keys() and diff <= min(1e-5, moved / 100), (diff, moved)
+
+
+@pytest.mark.slow
+def test_fsdp_matches_replicated_on_two_ranks(runs):
+    tmp, log = runs
+    assert_same_run(tmp, "none", "fsdp")
     ck = tmp / "fsdp" / "checkpoints" / "step_000003"
     assert sorted(p.name for p in (ck / "dcp").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
     from transformers import AutoModelForCausalLM     # the consolidated export is an HF model directory
     assert AutoModelForCausalLM.from_pretrained(ck).config.model_type == "llama"
+
+
+@pytest.mark.slow
+def test_off_policy_fsdp_matches_replicated(runs):
+    """grpo.max_staleness 1: the rollout thread's engine beside FSDP's collectives in the main thread."""
+    tmp, _ = runs
+    launch(tmp, tmp / "off_none", "--grpo.max_staleness=1")
+    launch(tmp, tmp / "off_fsdp", "--grpo.max_staleness=1", "--run.sharding=fsdp")
+    assert [r["staleness"] for r in metrics(tmp / "off_fsdp")] == [0, 1, 1]
+    assert_same_run(tmp, "off_none", "off_fsdp")
 
 
 @pytest.mark.slow

@@ -420,6 +420,7 @@ class Trainer:
             ahead = self.ahead.submit(self.rollout, step + 1)
         elif self.device.type == "cpu" or self.cfg.rollout.sleep_level == 2:
             self.llm.sleep(self.cfg.rollout.sleep_level)   # one host RAM: the KV pool's memory serves the backward
+            drop_packed_weights(self.llm.model)     # stale after the sync anyway (an engine with its own copy)
         t_learn = time.perf_counter()
         rec = self.learn(ro.samples)
         rec["state_gib"] = state_bytes(self.policy, self.opt) / 2**30     # with this step's gradients
