@@ -9,6 +9,9 @@ all-gather before its forward and again before its backward, one reduce-scatter 
                       GPU: bf16 compute, fp32 gradient reduction (MixedPrecisionPolicy); CPU: fp32
     clip_grad_norm_   the global norm over DTensor shards (its full_tensor is one all-reduce)
     full_weights      the policy's whole weights one tensor at a time, for the engine's weight sync
+    training_state    this rank's shards of the policy and AdamW, for DCP checkpoints (checkpoint.py);
+    load_training_state  and back, resharded to this world size
+    state_bytes       the training state this rank holds (the `rank_train_state_gib` metric)
 
 The trainer's contract does not change: each rank's loss is already scaled by the GLOBAL sequence /
 token counts (loss.py), so gradients are SUMMED over ranks (divide factor 1), as the replicated
@@ -21,11 +24,10 @@ import functools
 import warnings
 
 import torch
-from torch.utils.checkpoint import checkpoint
 from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint
 
 from nanospec.rl import dist
-
 
 
 def shard_policy(model: torch.nn.Module, activation_checkpointing: bool = False) -> torch.nn.Module:
@@ -55,10 +57,6 @@ def shard_policy(model: torch.nn.Module, activation_checkpointing: bool = False)
             m.set_gradient_divide_factor(1.0)
             m.set_force_sum_reduction_for_comms(True)   # a plain SUM (gloo has no PREMUL_SUM)
     return model
-
-
-def is_sharded(model: torch.nn.Module) -> bool:
-    return any(isinstance(p, DTensor) for p in model.parameters())
 
 
 def clip_grad_norm_(params: list, max_norm: float) -> torch.Tensor:
