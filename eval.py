@@ -2,9 +2,11 @@
 
     python eval.py --model runs/default --task synthetic [--n 256] [--k 4]
     python eval.py --model /path/to/Qwen3 --task gsm8k --data /path/to/gsm8k --n 100
+    python eval.py --model runs/smollm2_dataset --config configs/smollm2_dataset.yaml   # your dataset + rewards
 
 Reports (JSON on stdout, also --out FILE):
-  pass@1          greedy accuracy (task.is_correct), reward@1 its mean reward
+  pass@1          greedy accuracy (task.is_correct; a dataset task: its first reward function gives 1),
+                  reward@1 its mean reward, reward/<function>@1 each reward function's mean (dataset task)
   mean@k          accuracy averaged over k samples per prompt (temperature --temperature)
   response_len_*  greedy response lengths in tokens (mean / p50 / max)
   speculative     the same greedy decode, plain AR vs speculative engine, timed on the same prompts:
@@ -12,7 +14,9 @@ Reports (JSON on stdout, also --out FILE):
                   outputs are token-identical (they must be: exactness). The speculative engine first
                   generates the k samples (its drafters see them, as in RL where earlier rollouts of the
                   same prompts exist), then the timed greedy pass.
-A run directory (RUN_DIR/config.yaml) supplies the task knobs, max tokens and `rollout.speculative`.
+A run directory (RUN_DIR/config.yaml) or --config supplies the task (for a dataset task: its data,
+prompt and reward functions), max tokens and `rollout.speculative`; --task gsm8k is the dataset task
+over GSM8K's jsonl files (tasks/dataset.gsm8k_task).
 """
 import argparse
 import json
@@ -51,7 +55,10 @@ def decode(llm, prompts, params):
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True, help="HF model dir, .gguf file, hub id, or run dir (latest checkpoint)")
-    ap.add_argument("--task", choices=["synthetic", "gsm8k", "arith"], default=None, help="default: the run's task")
+    ap.add_argument("--task", default=None, help="synthetic, arith, dataset (from --config or the run's) or "
+                    "gsm8k; default: the run's task")
+    ap.add_argument("--config", default=None, help="a training YAML config whose task (and max tokens, "
+                    "speculative) to use; default: the run dir's")
     ap.add_argument("--data", default=None, help="gsm8k: folder with test.jsonl, or the test.jsonl file")
     ap.add_argument("--n", type=int, default=256, help="test prompts")
     ap.add_argument("--k", type=int, default=4, help="samples per prompt for mean@k (0: skip)")
@@ -70,19 +77,28 @@ def main(argv=None) -> dict:
     import torch
     from transformers import AutoTokenizer
     from nanospec import LLM, SamplingParams
-    from nanospec.tasks import format_prompt, get_task, task_from_config
+    from nanospec.config import load_config
+    from nanospec.tasks import format_prompt, get_task, gsm8k_task, score, task_from_config
 
     torch.set_num_threads(a.threads)
     model_dir, cfg = resolve(a.model)
-    name = a.task or (cfg.task.name if cfg else "synthetic")
-    if name == "gsm8k":
-        data = Path(a.data) if a.data else (Path(cfg.task.data_path) if cfg and cfg.task.data_path else None)
-        task = get_task("gsm8k", data_path=data.parent if data and data.is_file() else data)
-    else:
-        task = task_from_config(cfg.task) if cfg and cfg.task.name == name else get_task(name)
-    problems = task.test(a.n)
+    try:    # bad input (config, data, reward functions): one line and exit 2, as train.py
+        cfg = load_config(a.config) if a.config else cfg
+        name = a.task or (cfg.task.name if cfg else "synthetic")
+        if name == "gsm8k":
+            data = Path(a.data) if a.data else None
+            task = gsm8k_task(data.parent if data and data.is_file() else data)
+        elif cfg and cfg.task.name == name:
+            task = task_from_config(cfg.task)
+        elif name == "dataset":
+            raise ValueError("--task dataset: pass --config (or a run dir) whose task names the dataset and rewards")
+        else:
+            task = get_task(name)
+        problems = task.test(a.n)
+    except (ValueError, FileNotFoundError) as e:
+        ap.error(str(e.args[0]) if isinstance(e, FileNotFoundError) and e.args else str(e))
     tok = AutoTokenizer.from_pretrained(str(model_dir))
-    prompts = [format_prompt(tok, p.prompt) for p in problems]
+    prompts = [format_prompt(tok, p.messages or p.prompt) for p in problems]
     max_tokens = a.max_tokens or (cfg.grpo.max_completion_length if cfg else 256)
     spec = json.loads(a.speculative) if a.speculative else (cfg.rollout.speculative if cfg else None) or DEFAULT_SPEC
     stop = [] if tok.eos_token_id is None else [tok.eos_token_id]
@@ -93,11 +109,12 @@ def main(argv=None) -> dict:
     ar = LLM(str(model_dir), tok, **kw)
     decode(ar, prompts[:8], warm)            # first calls pay one-off costs (allocator, kernel setup)
     outs, t_ar = decode(ar, prompts, greedy)
-    texts = [o.text for o in outs]
     lens = sorted(len(o.token_ids) for o in outs)
+    rewards, correct, parts = score(task, problems, [o.text for o in outs], [o.token_ids for o in outs])
     res = {"model": str(model_dir), "task": name, "n": len(problems),
-           "pass@1": statistics.fmean(float(task.is_correct(p, t)) for p, t in zip(problems, texts)),
-           "reward@1": statistics.fmean(task.reward(p, t) for p, t in zip(problems, texts)),
+           "pass@1": statistics.fmean(map(float, correct)), "reward@1": statistics.fmean(rewards),
+           **{f"reward/{k}@1": statistics.fmean(x for x in v if x is not None) for k, v in parts.items()
+              if any(x is not None for x in v)},
            "response_len_mean": statistics.fmean(lens), "response_len_p50": lens[len(lens) // 2],
            "response_len_max": lens[-1]}
     sp = LLM(str(model_dir), tok, speculative=spec, **kw)
@@ -106,10 +123,10 @@ def main(argv=None) -> dict:
         sampled = SamplingParams(temperature=a.temperature, max_tokens=max_tokens, stop_token_ids=stop,
                                  n=a.k, seed=a.seed)
         souts, _ = decode(sp, prompts, sampled)
-        res[f"mean@{a.k}"] = statistics.fmean(float(task.is_correct(problems[i // a.k], o.text))
-                                              for i, o in enumerate(souts))
-        res[f"reward_mean@{a.k}"] = statistics.fmean(task.reward(problems[i // a.k], o.text)
-                                                     for i, o in enumerate(souts))
+        rewards, correct, _ = score(task, [problems[i // a.k] for i in range(len(souts))], [o.text for o in souts],
+                                    [o.token_ids for o in souts])
+        res[f"mean@{a.k}"] = statistics.fmean(map(float, correct))
+        res[f"reward_mean@{a.k}"] = statistics.fmean(rewards)
     sp.reset_stats()
     souts, t_sp = decode(sp, prompts, greedy)
     s = sp.summary()
@@ -129,5 +146,10 @@ def main(argv=None) -> dict:
 
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    main()
+    from nanospec.tasks import RewardError
+    try:
+        main()
+    except RewardError as e:      # the user's reward function misbehaved: one line, exit 2
+        print(f"eval.py: error: {e}", file=sys.stderr)
+        sys.exit(2)
     sys.exit(0)

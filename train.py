@@ -9,11 +9,12 @@ One process per rank: gloo on CPU, nccl on GPU; each rank uses run.num_threads t
 (default 1: two ranks on two cores must not oversubscribe them). Rank 0 prints the summary and
 writes RUN_DIR/metrics.jsonl (`python -m nanospec.rl.report RUN_DIR` plots it) and the checkpoints.
 
-Errors in what the user gave (config, overrides, model directory, data files, checkpoints) are found
-while setting up, before any step runs: they print one line, `train.py: error: ...` (once, from
-whichever rank fails first), and exit 2, as argparse does. A traceback means a bug
-(NANOSPEC_TRACEBACK=1 shows one for setup errors too). Under torchrun, torchrun adds its own report
-of the failed ranks after that line.
+Errors in what the user gave (config, overrides, model directory, data files, reward functions,
+checkpoints) are found while setting up, before any step runs: they print one line, `train.py: error:
+...` (once, from whichever rank fails first), and exit 2, as argparse does. So does a reward function
+that misbehaves on the model's completions mid-run (raises, wrong length, non-finite): every rank
+stops in that step, which writes nothing. A traceback means a bug (NANOSPEC_TRACEBACK=1 shows one for
+setup errors too). Under torchrun, torchrun adds its own report of the failed ranks after that line.
 """
 import argparse
 import os
@@ -87,11 +88,15 @@ def main(argv=None) -> int:
                 print(f"[sft] model in {out}")
         else:
             from nanospec.rl.grpo import Trainer
+            from nanospec.tasks import RewardError
             try:
                 trainer = Trainer(cfg)
             except USER_ERRORS as e:     # setup reads only the user's inputs; later errors are bugs
                 return user_error(e)
-            trainer.train()
+            try:
+                trainer.train()
+            except RewardError as e:     # ... but the user's reward functions run in every step
+                return user_error(e)
         ok = True
     finally:
         dist.cleanup(sync=ok)

@@ -121,10 +121,10 @@ def run(args) -> list[dict]:
     opts.ks = [int(k) for k in opts.ks.split(",")]
     from transformers import AutoTokenizer
     from nanospec.models.hub import fetch_smollm2
-    from nanospec.tasks import format_prompt, get_task
+    from nanospec.tasks import format_prompt, gsm8k_task
     model_dir = str(fetch_smollm2())
     tok = AutoTokenizer.from_pretrained(model_dir)
-    task = get_task("gsm8k")
+    task = gsm8k_task()
     prompts = [format_prompt(tok, p.prompt) for p in task.test(opts.prompts)]
     rows = []
     with tempfile.TemporaryDirectory() as work:

@@ -12,12 +12,15 @@
    per-pass tokens/s ratios to AR (one pass of 8 rows is a few seconds, and this shared box drifts by
    ~10% between passes): there the drafters have seen h (and more) earlier rollouts of these prompts
    (the prior-rollout store, the suffix trees), as they would after that many GRPO epochs. `+policies` rows
-   run the trainer's controller (cost-model toggle, per-token trimming, draft-length ladder; the
-   `speculation` config defaults); next to each row's measured speedup stands the toggle's verdict (the
-   fraction of its decisions that speculated, and its mean predicted speedup). The draft model is the
+   run the trainer's draft controller (engine/controller.py's rule, the `speculation` config defaults);
+   next to each row's measured speedup stand the fraction of steps that verified drafts and the mean
+   draft length verified. The draft model is the
    policy's first `--draft-layers` layers (same tokenizer; no smaller SmolLM2 is reachable here).
 3. Peak RSS of the whole run.
-Samples differ between variants (same distribution, other draws): speedup compares tokens/s.
+Samples differ between variants (same distribution, other draws): speedup compares tokens/s, and each row
+checks "same distribution" on what it sampled: its mean response length and GSM8K reward over its passes,
+with the two-sample Kolmogorov-Smirnov p-value of its response lengths against AR's on the same passes
+(exactness: a small p in a row without `lossy` would be a bug).
 """
 import argparse
 import resource
@@ -26,6 +29,7 @@ import tempfile
 import time
 
 import torch
+from scipy.stats import ks_2samp
 
 from nanospec import LLM, SamplingParams
 
@@ -81,8 +85,8 @@ def truncated_draft(model_dir, layers: int, out: str) -> str:
 
 def rollouts(model_dir, model, tok, opts, workdir) -> list[dict]:
     from nanospec.config import SpeculationConfig
-    from nanospec.tasks import format_prompt, get_task
-    problems = get_task("gsm8k").test(opts.prompts)
+    from nanospec.tasks import format_prompt, gsm8k_task, score
+    problems = gsm8k_task().test(opts.prompts)
     prompts = [format_prompt(tok, p.prompt) for p in problems]
     draft = truncated_draft(model_dir, opts.draft_layers, f"{workdir}/draft")
     variants = [("AR", None, False)] + [(f"{n} +policies", s, True) for n, s in DRAFTERS] + \
@@ -99,7 +103,8 @@ def rollouts(model_dir, model, tok, opts, workdir) -> list[dict]:
                   controller=controller)
         engines[name] = llm
     timed = sorted(opts.history)
-    acc = {}                                 # (name, pass) -> seconds, tokens, summary, policy stats
+    acc, drawn = {}, {}                      # (name, pass) -> seconds, tokens, summary, policy stats;
+    task = gsm8k_task()                      #   -> [(response length, reward)] of every sample
     keys = list(range(len(prompts)))
     for p in range(max(timed) + opts.reps):  # pass p: the drafters have seen p earlier rollouts
         params = SamplingParams(temperature=opts.temperature, max_tokens=opts.max_tokens, n=opts.G, seed=100 + p)
@@ -114,6 +119,8 @@ def rollouts(model_dir, model, tok, opts, workdir) -> list[dict]:
             outs = llm.generate(prompts, params, use_tqdm=False, prompt_keys=keys)
             acc[name, p] = (time.perf_counter() - t0, sum(len(o.token_ids) for o in outs), llm.summary(),
                             llm.controller.stats() if llm.controller is not None else {})
+            rewards = score(task, [problems[i // opts.G] for i in range(len(outs))], [o.text for o in outs])[0]
+            drawn[name, p] = [(len(o.token_ids), r) for o, r in zip(outs, rewards)]
     rows = []
     rate = lambda name, p: acc[name, p][1] / acc[name, p][0]       # tokens / s of one pass
     for h in timed:         # passes h .. h + reps - 1; the stats are those of pass h
@@ -124,13 +131,16 @@ def rollouts(model_dir, model, tok, opts, workdir) -> list[dict]:
             # median of per-pass ratios: both sides of a ratio ran minutes apart at most, so the box's
             # drift between passes cancels (a ratio of sums would carry it)
             speedup = statistics.median(rate(name, p) / rate("AR", p) for p in passes)
+            mine, ar = ([x for p in passes for x in drawn[n, p]] for n in (name, "AR"))
             rows.append(dict(name=f"h{h}: {name}", history=h, tokens=tokens, seconds=seconds,
                              tokens_per_s=tokens / seconds, speedup=speedup,
                              target_forwards_per_token=s["target_forwards_per_token"],
                              acceptance_rate=s["acceptance_rate"] if spec else None,
-                             toggle_on=ps.get("toggle_on_fraction"),
-                             toggle_predicted=ps.get("toggle_mean_predicted_speedup"),
-                             spec_on_frac=ps.get("spec_on_frac"), lossy=s["lossy"]))
+                             draft_len=ps.get("draft_len_mean"),
+                             spec_on_frac=ps.get("spec_on_frac"), len_mean=statistics.fmean(n for n, _ in mine),
+                             reward_mean=statistics.fmean(r for _, r in mine),
+                             len_ks_p=float(ks_2samp([n for n, _ in mine], [n for n, _ in ar]).pvalue),
+                             lossy=s["lossy"]))
     return rows
 
 

@@ -2,8 +2,8 @@
 
 Each row adds one policy to the row above -- AR (and AR with length-aware assignment alone, to see
 balancing without speculation's noise); +spec (prior+suffix drafters); +bubble drafting
-(BubbleSpec); +length-aware assignment and length-class budgets (DAS); +toggle; +adaptive draft
-length; then, beside +spec, prior + suffix_mlp (suffix tree + n-gram MLP), its MLP learned online from
+(BubbleSpec); +length-aware assignment and length-class caps (DAS); +the controller's rule (toggle and
+adaptive draft length in one: engine/controller.py); then, beside +spec, prior + suffix_mlp (suffix tree + n-gram MLP), its MLP learned online from
 the rollouts or distilled beforehand (`make mlp`) -- then a forced-bad drafter without and with the toggle. Every variant has its own engines
 (one core per rank) and runs the same `--steps` consecutive rollout steps, interleaved step by step
 with the other variants (drifting load on a shared machine hits all of them alike), over a cycling
@@ -26,19 +26,16 @@ import torch
 
 SPEC_K = 8
 SPEC = [{"method": "prior", "num_draft_tokens": SPEC_K}, {"method": "suffix", "num_draft_tokens": SPEC_K}]
-CLASSES = [18, 72]      # answer-length classes: ~median and ~p90 of the task (as configs/default.yaml)
-NONE = dict(bubble_drafting=False, length_aware_assignment=False, length_classes=[], toggle=False,
-            adaptive_draft_length=False)
+CLASSES = dict(length_classes=[18, 72], length_class_budgets=[2, 4, 8])   # ~median and ~p90 of the task
+NONE = dict(bubble_drafting=False, length_aware_assignment=False, length_classes=[], toggle=False)
 VARIANTS = [
     ("AR", None, {}),
     ("AR + length-aware assign", None, dict(length_aware_assignment=True)),
     ("+spec (prior+suffix)", SPEC, {}),
     ("+bubble drafting", SPEC, dict(bubble_drafting=True)),
-    ("+length-aware (assign+classes)", SPEC, dict(bubble_drafting=True, length_aware_assignment=True,
-                                                  length_classes=CLASSES)),
-    ("+toggle", SPEC, dict(bubble_drafting=True, length_aware_assignment=True, length_classes=CLASSES, toggle=True)),
-    ("+adaptive draft length", SPEC, dict(bubble_drafting=True, length_aware_assignment=True,
-                                          length_classes=CLASSES, toggle=True, adaptive_draft_length=True)),
+    ("+length-aware (assign+classes)", SPEC, dict(bubble_drafting=True, length_aware_assignment=True, **CLASSES)),
+    ("+toggle and adaptive length", SPEC, dict(bubble_drafting=True, length_aware_assignment=True, **CLASSES,
+                                               toggle=True)),
     ("+spec (prior+suffix_mlp, online)", [SPEC[0], {"method": "suffix_mlp", "num_draft_tokens": SPEC_K, "learn_lr": 3e-3, "learn_epochs": 8}], {}),
     ("+spec (prior+suffix_mlp, make mlp)", [SPEC[0], {"method": "suffix_mlp", "num_draft_tokens": SPEC_K,
                                                       "model": "runs/ngram_mlp"}], {}),
@@ -163,10 +160,13 @@ def run(args) -> list[dict]:
         print(f"rollout suite: {VARIANTS[i][0]} skipped: no n-gram MLP at {missing(VARIANTS[i][1])[0]} (`make mlp`)")
     keep = [i for i in keep if not missing(VARIANTS[i][1])]
     opts = dict(steps=o.steps or (3 if args.quick else 7), prompts=o.prompts, G=o.G, variants=list(keep))
-    model_path = o.model if Path(o.model, "config.json").is_file() else None
+    from nanospec.models.hub import resolve_model
+    try:
+        model_path = str(resolve_model(o.model))
+    except (FileNotFoundError, ValueError) as e:
+        model_path = None
+        print(f"rollout suite: no model at {o.model} (run `make train` first): random tiny model ({e})")
     label = f"SFT {o.model}" if model_path else f"RANDOM tiny model (no SFT model at {o.model})"
-    if model_path is None:
-        print(f"rollout suite: no model at {o.model} (run `make train` first): random tiny model")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -5,9 +5,8 @@ Workload = the embedded task with the SFT model (runs/sft, made by `make train`;
 same prompts (what the previous GRPO step would have left behind: prior rollouts, suffix trees), then
 `--reps` timed passes, each a GRPO-like step (drafter `next_step()` in between), variants interleaved
 pass by pass so drift of a shared machine hits them all alike. Distinct seeds per pass, so a timed
-pass is new samples, not a replay. The "toggle" and "toggle+ladder" rows add the engine-level
-policies (cost-model toggle, which for suffix and prior drafts cuts each row's draft where its
-estimated acceptance no longer pays for the verify; then the draft-length ladder; engine/controller.py). The "draft model"
+pass is new samples, not a replay. The "policies" rows add the engine's draft controller (its one
+rule: each row's drafts where their estimated acceptance pays for the verify; engine/controller.py). The "draft model"
 row needs a draft model directory (`--draft`, default runs/draft, made by `make draft`), the
 "suffix+mlp" rows an n-gram MLP distilled from the SFT model (`--mlp`, default runs/ngram_mlp, `make mlp`). Samples
 differ between variants (same distribution, different draws), so `speedup` compares tokens/s;
@@ -31,11 +30,10 @@ VARIANTS = [    # (name, speculative config, engine-level policies: None or Spec
     ("AR", None, None),
     ("ngram", {"method": "ngram", "num_draft_tokens": 8}, None),
     ("suffix", SUFFIX, None),
-    ("suffix, toggle", SUFFIX, dict(adaptive_draft_length=False)),
+    ("suffix, policies", SUFFIX, {}),
     ("prior", PRIOR, None),
     ("prior+suffix", [PRIOR, SUFFIX], None),
-    ("prior+suffix, toggle", [PRIOR, SUFFIX], dict(adaptive_draft_length=False)),
-    ("prior+suffix, toggle+ladder", [PRIOR, SUFFIX], {}),
+    ("prior+suffix, policies", [PRIOR, SUFFIX], {}),
     ("self (nf4)", {"method": "self", "num_draft_tokens": 4}, None),
 ]
 # The ceiling of this machine at this batch: greedy, where the prior rollout is exactly the next answer,
@@ -101,11 +99,16 @@ def run(args) -> list[dict]:
     opts, _ = ap.parse_known_args(args.extra)
     variants = [(*v, 1.0) for v in VARIANTS]
     num_prompts = 4 if args.quick else opts.prompts
-    if Path(opts.model, "config.json").is_file():
-        prompts, tok = workload(opts.model, num_prompts)
-        model_dir, label = opts.model, f"synthetic task, {opts.model}"
+    from nanospec.models.hub import resolve_model
+    try:
+        model_dir = str(resolve_model(opts.model))
+    except (FileNotFoundError, ValueError) as e:
+        model_dir = None
+        print(f"spec suite: no model at {opts.model} (run `make train` first); random model, repeated prompt ({e})")
+    if model_dir is not None:
+        prompts, tok = workload(model_dir, num_prompts)
+        label = f"synthetic task, {opts.model}"
     else:
-        print(f"spec suite: no model at {opts.model} (run `make train` first); random model, repeated prompt")
         import tempfile
         from benchmarks.engine import tiny_llama
         model_dir, tok, label = tempfile.mkdtemp(), None, "random model, one repeated prompt"
@@ -125,7 +128,7 @@ def run(args) -> list[dict]:
     sp = lambda seed, T: SamplingParams(temperature=T, max_tokens=112, n=opts.G, seed=seed)
     engines = {}
     for name, spec, policies, T in variants:
-        # engine-level policies: per-drafter cost-model toggle, draft-length ladder; None: fixed k
+        # the engine's draft controller (engine/controller.py); None: fixed k
         controller = None if policies is None else SpeculationConfig(
             bubble_drafting=False, length_aware_assignment=False, length_classes=[], **policies)
         try:

@@ -64,9 +64,9 @@ def streams(opts) -> dict:
         return json.loads(path.read_text())
     from transformers import AutoTokenizer
     from nanospec.engine.llm import LLM
-    from nanospec.tasks import format_prompt, get_task
+    from nanospec.tasks import format_prompt, gsm8k_task
     tok = AutoTokenizer.from_pretrained(model_dir)
-    prompts = [format_prompt(tok, problem.prompt) for problem in get_task("gsm8k").test(opts.questions)]
+    prompts = [format_prompt(tok, problem.prompt) for problem in gsm8k_task().test(opts.questions)]
     llm = LLM(str(model_dir), tok, max_num_seqs=opts.questions * opts.G, speculative=None,
               kv_cache_gib=0.5, max_model_len=512)
     out = {"prompts": prompts}

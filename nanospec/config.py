@@ -15,6 +15,7 @@ import json
 import numbers
 import types
 import typing
+import warnings
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ from nanospec.drafters import registry
 ARCHS = ("llama", "qwen2", "qwen3")                  # models/decoder.py
 DTYPES = ("float32", "bfloat16", "float16")          # models/loader.py
 SHARDINGS = ("none", "fsdp")                         # rl/sharding.py
-TASK_NAMES = ("synthetic", "gsm8k", "arith")         # tasks/__init__.py
+TASK_NAMES = ("synthetic", "arith", "dataset")       # tasks/__init__.py (TASKS)
 LOSS_TYPES = ("grpo", "dapo")                        # rl/loss.py
 TIS_MODES = ("truncate", "mask")                     # rl/loss.py
 
@@ -62,8 +63,14 @@ class ModelConfig:
 
 @dataclass
 class TaskConfig:
-    name: str = "synthetic"             # synthetic | gsm8k | arith (word problems, for real models)
-    data_path: str | None = None        # gsm8k: folder with train/test.jsonl (null: $NANOSPEC_DATA or ../shared/data)
+    name: str = "synthetic"             # synthetic | arith (word problems, for real models) | dataset (yours)
+    dataset: str | None = None          # dataset: json/jsonl/parquet/csv file or folder, or a hub id (tasks/dataset.py)
+    dataset_config: str | None = None   # dataset: the hub dataset's config name
+    prompt: str = "prompt"              # dataset: the prompt column, or a format template over the columns
+    rewards: list[str] = field(default_factory=list)   # dataset: module.path:function, TRL's signature
+    reward_weights: list[float] | None = None         # dataset: null = 1 each
+    train_split: str = "train"
+    test_split: str | None = "test"     # null: a seeded cut of test_fraction of the train split
     seed: int = 0
     num_train: int = 4096               # size of the training prompt pool
     num_test: int = 256
@@ -76,7 +83,12 @@ class TaskConfig:
     format_credit: float = 0.1          # arith: reward for a wrong number stated after '####'
 
     def rules(self):
+        ds = self.name == "dataset"
         return [("name", self.name in TASK_NAMES, _one_of(TASK_NAMES)),
+                ("dataset", not ds or bool(self.dataset), "a file, folder or hub id for task.name dataset"),
+                ("rewards", not ds or len(self.rewards) > 0, "at least one 'module.path:function' for task.name dataset"),
+                ("reward_weights", self.reward_weights is None or len(self.reward_weights) == len(self.rewards),
+                 f"null or {len(self.rewards)} weights, one per reward"),
                 *_pos(self, "num_train", "min_steps"),
                 ("num_test", self.num_test >= 0, ">= 0"),
                 ("max_steps", self.min_steps <= self.max_steps <= 26, "in [min_steps, 26]"),
@@ -180,33 +192,27 @@ class RolloutConfig:
 class SpeculationConfig:
     bubble_drafting: bool = True        # idle fast ranks pre-draft for slow ranks (BubbleSpec)
     length_aware_assignment: bool = True  # balance predicted rollout length across ranks (DAS)
-    length_classes: list[int] = field(default_factory=lambda: [18, 72])  # [] : off
-    length_class_budgets: list[int] | None = None  # null: chosen by the cost model at start-up
-    toggle: bool = True                 # speculate only where the cost model predicts a speedup
-    toggle_min_speedup: float = 1.05
-    adaptive_draft_length: bool = True  # acceptance-aware ladder (EfficientRollout)
-    draft_ladder: list[int] = field(default_factory=lambda: [2, 4, 6, 8])  # capped at num_draft_tokens
-    ladder_up: float = 0.94
-    ladder_down: float = 0.85
+    length_classes: list[int] = field(default_factory=list)  # answer lengths splitting DAS classes; [] : off
+    length_class_budgets: list[int] | None = None  # the draft cap per class (needed with length_classes)
+    toggle: bool = True                 # draft only where the cost model predicts a speedup (false: the cap)
+    toggle_min_speedup: float = 1.05    # the one threshold of engine/controller.py's rule
     # Repeatable runs (tests, exact resume checks): the two choices made from wall-clock time, fixed
     latency_profile: str | None = None  # a profile JSON whose cost model replaces the clock (latency.py)
     bubble_token_budget: int | None = None  # null: bubble-draft until the last rank ends; N: N tokens
 
     def rules(self):
-        c, b, lad = self.length_classes, self.length_class_budgets, self.draft_ladder
+        c, b = self.length_classes, self.length_class_budgets
         p, n = self.latency_profile, self.bubble_token_budget
         return [("latency_profile", p is None or Path(p).is_file(), "null or an existing profile JSON file"),
                 ("bubble_token_budget", n is None or (is_int(n) and n >= 1), "null or an int >= 1"),
                 ("length_classes", all(t > 0 for t in c) and all(x < y for x, y in zip(c, c[1:])),
                  "strictly increasing lengths > 0 ([] = off)"),
-                ("length_class_budgets", not c or b is None or len(b) == len(c) + 1,
-                 f"null or len(length_classes) + 1 = {len(c) + 1} draft budgets"),
+                ("length_classes", not c or b is not None, "[] unless length_class_budgets gives each class "
+                 "its draft cap (the controller prices every step itself)"),
+                ("length_class_budgets", b is None or len(b) == len(c) + 1,
+                 f"null or len(length_classes) + 1 = {len(c) + 1} draft caps"),
                 ("length_class_budgets", b is None or all(x >= 0 for x in b), "draft budgets >= 0"),
-                ("toggle_min_speedup", self.toggle_min_speedup > 0, "> 0"),
-                ("draft_ladder", len(lad) > 0 and lad[0] >= 1 and all(x < y for x, y in zip(lad, lad[1:])),
-                 "a non-empty strictly increasing list of ints >= 1"),
-                ("ladder_up", 0 < self.ladder_up <= 1, "in (0, 1]"),
-                ("ladder_down", 0 < self.ladder_down < self.ladder_up, f"in (0, ladder_up={self.ladder_up})")]
+                ("toggle_min_speedup", self.toggle_min_speedup > 0, "> 0")]
 
 
 @dataclass
@@ -219,12 +225,18 @@ class RunConfig:
     num_threads: int = 1                # torch threads per rank
     sharding: str = "none"              # none (replicated) | fsdp (FSDP2: params, grads, AdamW sharded)
     activation_checkpointing: bool = False  # fsdp: recompute each decoder layer in backward
+    log_to: list[str] = field(default_factory=lambda: ["jsonl"])   # + tensorboard (RUN_DIR/tensorboard)
 
     def rules(self):
+        import importlib.util
         return [("out_dir", self.out_dir.strip() != "", "a non-empty path"),
                 ("sharding", self.sharding in SHARDINGS, _one_of(SHARDINGS)),
                 ("activation_checkpointing", not self.activation_checkpointing or self.sharding == "fsdp",
                  "false unless sharding is fsdp"),
+                ("log_to", "jsonl" in self.log_to and set(self.log_to) <= {"jsonl", "tensorboard"},
+                 "a list of jsonl (metrics.jsonl, the run's record: always) and tensorboard"),
+                ("log_to", "tensorboard" not in self.log_to or importlib.util.find_spec("tensorboard") is not None,
+                 "no tensorboard without the tensorboard package (pip install tensorboard)"),
                 ("save_every", self.save_every >= 0, ">= 0"), ("eval_every", self.eval_every >= 0, ">= 0"),
                 *_pos(self, "num_threads")]
 
@@ -339,6 +351,11 @@ def _merge(d: dict, raw: dict, origin: dict, src: str, keep_origin: bool = False
 def _set(raw, origin, sec, key, v, src) -> None:
     sec = {"policies": "speculation"}.get(sec, sec)     # the section's name in earlier configs
     if (sec, key) == ("run", "log_every"):                # a key earlier run dirs hold; it did nothing
+        return
+    key = {("task", "data_path"): "dataset"}.get((sec, key), key)   # its name in earlier run dirs
+    if sec == "speculation" and key in ("adaptive_draft_length", "draft_ladder", "ladder_up", "ladder_down"):
+        warnings.warn(f"{src}: speculation.{key} is no longer used and is ignored: draft lengths follow the "
+                      f"measured per-position acceptance (engine/controller.py), capped by num_draft_tokens")
         return
     if sec not in SECTIONS:
         raise ValueError(f"{src}: unknown section {sec!r}; expected one of {list(SECTIONS)}")

@@ -129,12 +129,19 @@ MODELS = {"qwen3-8b": dict(model_type="qwen3", num_hidden_layers=36, hidden_size
 
 
 def load_model_config(spec: str) -> tuple[dict, str]:
-    """A preset name, a config.json, or a model directory holding one -> (config dict, where)."""
+    """A preset name, a config.json, or any model form the trainer takes (an HF directory, a .gguf
+    file, a hub id: `models.hub.resolve_model`, the local cache included) -> (config dict, where)."""
     if spec in MODELS:
         return MODELS[spec], spec
-    path = Path(spec) / "config.json" if Path(spec).is_dir() else Path(spec)
+    if Path(spec).is_file() and Path(spec).suffix == ".json":
+        return json.loads(Path(spec).read_text()), spec
+    from nanospec.models.hub import resolve_model
+    try:
+        path = resolve_model(spec) / "config.json"
+    except (FileNotFoundError, ValueError) as e:
+        raise ValueError(f"--model: {spec}: not a preset ({', '.join(MODELS)}) or config.json, and not a model: {e}") from None
     if not path.is_file():
-        raise ValueError(f"--model: {spec}: not a preset ({', '.join(MODELS)}), config.json or model directory")
+        raise ValueError(f"--model: {spec}: {path} not found")
     return json.loads(path.read_text()), str(path)
 
 
@@ -474,6 +481,7 @@ def _mean(xs):
 
 # ---- the CPU preset, calibrated here --------------------------------------------------------------------------
 CALIBRATIONS = 3    # fits per rank, medians taken per field
+LIGHT_PARAMS = 20e6  # above this many parameters the calibration is sized down (`calibrate_cpu`, light)
 
 
 def cpu_preset(cfg: dict, threads: int = 1, where: str = "config.json", ranks: int = 1) -> Hardware:
@@ -488,18 +496,25 @@ def cpu_preset(cfg: dict, threads: int = 1, where: str = "config.json", ranks: i
     info = Path("/proc/cpuinfo")
     cpu = next((ln.split(":", 1)[1].strip() for ln in info.read_text().splitlines() if ln.startswith("model name")),
                platform.processor()) if info.is_file() else platform.processor()
-    key = json.dumps([cfg, threads, ranks, cpu, os.cpu_count(), torch.__version__, 5], sort_keys=True, default=str)
+    key = json.dumps([cfg, threads, ranks, cpu, os.cpu_count(), torch.__version__, 6], sort_keys=True, default=str)
     path = cache_dir() / "profiles" / f"sim_cpu_{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
     if path.is_file():
         return Hardware(**json.loads(path.read_text()))
-    print(f"simulate: calibrating this CPU ({ranks} process(es) x {threads} thread(s), {CALIBRATIONS} fits each, "
-          f"~1 min; cached in {path})")
+    # the embedded ~4M model gets the full calibration; a real model's forwards, drains and backward
+    # cost ~30x more each, so it gets one fit per rank over a smaller grid, shorter drains, fewer steps
+    params = ModelShape.from_config(cfg, where, "float32").params
+    light = params > LIGHT_PARAMS
+    fits_per_rank = 1 if light else CALIBRATIONS
+    print(f"simulate: calibrating this CPU on a random {params / 1e6:.0f}M-parameter model of this shape "
+          f"({ranks} process(es) x {threads} thread(s), {fits_per_rank} fit(s) each; about "
+          f"{'2-3 min' if light else '1 min'} on an idle 2-core box; cached in {path})", flush=True)
     ctx = multiprocessing.get_context("spawn")
     queue, barrier = ctx.Queue(), ctx.Barrier(ranks)
-    procs = [ctx.Process(target=_calibrate_rank, args=(cfg, threads, where, barrier, queue)) for _ in range(ranks)]
+    procs = [ctx.Process(target=_calibrate_rank, args=(cfg, threads, where, barrier, queue, fits_per_rank, light, r == 0))
+             for r in range(ranks)]
     for p in procs:
         p.start()
-    fits = [queue.get(timeout=1800) for _ in range(CALIBRATIONS * ranks)]
+    fits = [queue.get(timeout=1800) for _ in range(fits_per_rank * ranks)]
     for p in procs:
         p.join()
     med = statistics.median       # per field, over every rank's fits: one fit on this box is +-10%
@@ -509,12 +524,13 @@ def cpu_preset(cfg: dict, threads: int = 1, where: str = "config.json", ranks: i
     return hw
 
 
-def _calibrate_rank(cfg, threads, where, barrier, queue) -> None:
-    for _ in range(CALIBRATIONS):
-        queue.put(asdict(calibrate_cpu(cfg, threads, where, barrier.wait)))
+def _calibrate_rank(cfg, threads, where, barrier, queue, fits: int, light: bool, verbose: bool) -> None:
+    for i in range(fits):
+        log = (lambda msg: print(f"simulate:   fit {i + 1}/{fits}: {msg}", flush=True)) if verbose else None
+        queue.put(asdict(calibrate_cpu(cfg, threads, where, barrier.wait, light, log)))
 
 
-def calibrate_cpu(cfg: dict, threads: int, where: str, sync=lambda: None) -> Hardware:
+def calibrate_cpu(cfg: dict, threads: int, where: str, sync=lambda: None, light: bool = False, log=None) -> Hardware:
     """Fit Hardware to this CPU with nanospec's own code on a random model of this shape (fp32, one
     process, `threads` torch threads; ~1 min, then cached by `cpu_preset`):
       1. LLM.time_forward over a (B, C, Q) grid -> flops, mem_bw and the forward's own overheads
@@ -525,7 +541,9 @@ def calibrate_cpu(cfg: dict, threads: int, where: str, sync=lambda: None) -> Har
       3. trainer steps (grpo.completion_logprobs over micro_batches, TIS + the clipped surrogate,
          backward, gradient clipping, AdamW) on varied
          lengths -> train_mfu, train_overhead_s; a tensor copy -> interconnect_bw (ranks on one host
-         exchange through its memory)."""
+         exchange through its memory).
+    light: the same phases on a smaller grid, shorter drains and fewer trainer steps (a real model);
+    log: called with each phase's elapsed time (progress)."""
     import time
     import numpy as np
     import torch
@@ -545,10 +563,14 @@ def calibrate_cpu(cfg: dict, threads: int, where: str, sync=lambda: None) -> Har
     llm = LLM(CausalLM(args).eval(), None, max_num_seqs=64, max_model_len=maxlen, controller=SpeculationConfig(),
               speculative=[{"method": "prior", "num_draft_tokens": 8}, {"method": "suffix", "num_draft_tokens": 8}])
     med = lambda f, n=3: float(np.median([f() for _ in range(n)]))
-    grid = [(B, C, Q) for B in (1, 4, 16, 64) for C in (16, 64, maxlen // 2) for Q in (1, 3, 9)]
+    t_start = time.perf_counter()
+    done = (lambda phase: log(f"{phase} ({time.perf_counter() - t_start:.0f} s)")) if log else (lambda phase: None)
+    grid = ([(B, C, Q) for B in (1, 4, 16) for C in (16, maxlen // 2) for Q in (1, 5)] if light else
+            [(B, C, Q) for B in (1, 4, 16, 64) for C in (16, 64, maxlen // 2) for Q in (1, 3, 9)])
     llm.time_forward(8, 16, 1)                                                         # warm-up
     sync()                                     # every calibrating process starts each phase together
-    fwd = [(B, C, Q, med(lambda: llm.time_forward(B, C, Q))) for B, C, Q in grid]
+    fwd = [(B, C, Q, med(lambda: llm.time_forward(B, C, Q), 1 if light else 3)) for B, C, Q in grid]
+    done(f"{len(grid)} forward shapes timed")
     hw_of = lambda x: Hardware("cpu", *np.exp(x[:2]), 1.0, *np.exp(x[2:5]))
     pred = lambda hw, B, C, Q: step_time(hw, m, 1, B, B * Q, B * C, B * Q * (C + Q / 2), Q > 1)
     x = least_squares(lambda x: [math.log(pred(hw_of(x), B, C, Q) / t) for B, C, Q, t in fwd],
@@ -557,15 +579,16 @@ def calibrate_cpu(cfg: dict, threads: int, where: str, sync=lambda: None) -> Har
 
     def drain_steps(spec: bool, seed: int) -> list:      # [(B, C, Q, seconds)] of decode steps
         """A GRPO-like drain: 8 prompts (6-48 tokens) x 8 greedy samples, each stopping at a log-uniform
-        4-128 tokens, so B shrinks and C grows as in a rollout: every step meets a new shape (oneDNN
-        builds kernels per shape: ~1.5 ms a step here, which repeated-shape timings would miss)."""
+        4-128 tokens (light: 4 x 8, 4-32 tokens), so B shrinks and C grows as in a rollout: every step
+        meets a new shape (oneDNN builds kernels per shape: ~1.5 ms a step here, which repeated-shape
+        timings would miss)."""
         llm.speculate = spec
         g = torch.Generator().manual_seed(seed)
         rnd = lambda lo, hi: int(torch.randint(lo, hi, (1,), generator=g))
-        for i in range(8):
+        for i in range(4 if light else 8):
             ids = torch.randint(3, args.vocab_size, (rnd(6, 48),), generator=g).tolist()
             for j in range(8):
-                T = int(4 * 32 ** float(torch.rand(1, generator=g)))
+                T = int(4 * (8 if light else 32) ** float(torch.rand(1, generator=g)))
                 llm.add_request(ids, SamplingParams(temperature=0.0, max_tokens=T), 8 * i + j, ("cal", seed, i, j))
         out = []
         while llm.scheduler.has_work():
@@ -579,24 +602,28 @@ def calibrate_cpu(cfg: dict, threads: int, where: str, sync=lambda: None) -> Har
         return out
     sync()
     fit = lambda X, y, t: nnls(np.array(X) / np.array(t)[:, None], np.array(y) / np.array(t))[0]
-    ar = [s for seed in (1, 2, 5, 6) for s in drain_steps(False, seed)]
+    ar = [s for seed in ((1, 2) if light else (1, 2, 5, 6)) for s in drain_steps(False, seed)]
     a, b = fit([[1.0, B] for B, *_ in ar], [t - pred(hw, B, C, 1) for B, C, _, t in ar], [s[3] for s in ar])
     hw = replace(hw, step_overhead_s=hw.step_overhead_s + a, seq_overhead_s=hw.seq_overhead_s + b)
-    for seed in (3, 4):
+    done(f"{len(ar)} decode steps timed")
+    spec_seeds = (3,) if light else (3, 4)
+    for seed in spec_seeds:
         drain_steps(True, seed)                    # the drafters learn these (greedy) responses ...
-    ver = [s for seed in (3, 4) for s in drain_steps(True, seed) if s[2] > 1]     # ... and draft them, all accepted
+    ver = [s for seed in spec_seeds for s in drain_steps(True, seed) if s[2] > 1]   # ... and draft them, all accepted
     c, d = fit([[1.0, B] for B, *_ in ver], [t - pred(hw, B, C, Q) for B, C, Q, t in ver], [s[3] for s in ver])
     hw = replace(hw, verify_overhead_s=hw.verify_overhead_s + c, draft_seq_s=d)
+    done(f"{len(ver)} verify steps timed")
 
     policy = CausalLM(args).train()
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-6)
 
     def train_step(n: int, seed: int) -> tuple[list, float]:
-        """n samples of 8 per prompt (prompts 6-48 tokens, responses log-uniform 2-128): varied shapes."""
+        """n samples of 8 per prompt (prompts 6-48 tokens, responses log-uniform 2-128, light: 2-32)."""
         g = torch.Generator().manual_seed(seed)
         rnd = lambda lo, hi: int(torch.randint(lo, hi, (1,), generator=g))
         plen = [rnd(6, 48) for _ in range(n // 8)]
-        lens = [(plen[i // 8], int(2 * 64 ** float(torch.rand(1, generator=g)))) for i in range(n)]
+        lens = [(plen[i // 8], int(2 * (16 if light else 64) ** float(torch.rand(1, generator=g))))
+                for i in range(n)]
         samples = [Sample(None, i, [5] * p, [7] * L, [0.0] * L, [False] * L, "length") for i, (p, L) in enumerate(lens)]
         t0 = time.perf_counter()
         for idx in micro_batches(samples, 1):     # Trainer.learn's loss: TIS weights, clipped surrogate
@@ -613,7 +640,8 @@ def calibrate_cpu(cfg: dict, threads: int, where: str, sync=lambda: None) -> Har
     base = replace(hw, train_mfu=1.0, train_overhead_s=0.0)
     optim = train_time(base, m, [[]], False)               # AdamW's memory traffic alone
     rows = [(lambda lens, t: (train_time(base, m, [lens], False) - optim, t - optim))(*train_step(n, seed))
-            for n in (16, 32, 64) for seed in (1, 2, 3)]
+            for n in ((8, 16) if light else (16, 32, 64)) for seed in ((1, 2) if light else (1, 2, 3))]
+    done(f"{len(rows)} trainer steps timed")
     inv, over = fit([[c, 1.0] for c, _ in rows], [t for _, t in rows], [t for _, t in rows])
     buf = torch.empty(m.params, dtype=torch.float32)
 
@@ -683,7 +711,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--length-scale", type=float, default=1.0, help="--lengths: stretch every response")
     ap.add_argument("--acceptance", type=float, help="per-token draft acceptance; spec rows then draft the best k")
     ap.add_argument("--draft-len", type=int, default=8, help="largest k with --acceptance")
-    ap.add_argument("--model", help=f"a preset ({', '.join(MODELS)}), a config.json or a model directory")
+    ap.add_argument("--model", help=f"a preset ({', '.join(MODELS)}), a config.json, or a model as train.py "
+                                    "takes it: an HF directory, a .gguf file or a hub id")
     ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))
     ap.add_argument("--hardware", default="cpu", help=f"cpu (calibrated here), {', '.join(PRESETS)}, or a JSON file")
     ap.add_argument("--threads", type=int, help="cpu: torch threads per rank (default: the run's run.num_threads)")
@@ -704,8 +733,8 @@ def main(argv: list[str] | None = None) -> int:
         runs = [(label, tr[a.skip:] if len(tr) > a.skip else tr) for label, tr in runs]
         if a.lengths:
             if a.lengths == "gsm8k":
-                from nanospec.tasks.gsm8k import default_data_dir
-            path = default_data_dir() / "train.jsonl" if a.lengths == "gsm8k" else Path(a.lengths)
+                from nanospec.tasks.dataset import default_gsm8k_dir
+            path = default_gsm8k_dir() / "train.jsonl" if a.lengths == "gsm8k" else Path(a.lengths)
             if a.acceptance is None:
                 raise ValueError("--lengths needs --acceptance (the drafts' per-token acceptance)")
             runs = [(f"gsm8k x{a.prompts}x{a.G}" + (f", lengths x{a.length_scale:g}" if a.length_scale != 1 else ""),
@@ -715,7 +744,7 @@ def main(argv: list[str] | None = None) -> int:
             runs = [(label, [dict(st, spec=best, rank_specs=None, rates=None) for st in tr]) for label, tr in runs]
         spec_model = a.model or _cfg(cfg, "model", "path") or _cfg(cfg, "sft", "out_dir")
         if not spec_model:
-            raise ValueError(f"{a.run}: no model to size: pass --model (a preset, config.json or model directory)")
+            raise ValueError(f"{a.run}: no model to size: pass --model (a preset, config.json or model)")
         mcfg, where = load_model_config(spec_model)
         dtype = a.dtype or (_cfg(cfg, "rollout", "dtype") if a.run and not a.model else None)
         m = ModelShape.from_config(mcfg, where, dtype)

@@ -30,24 +30,24 @@ def test_shipped_configs_content():
     assert {p.name for p in CONFIGS} >= {"default.yaml", "ar.yaml", "gsm8k_qwen3.yaml"}
     d, ar = load_config(DEFAULT), load_config(Path(DEFAULT).with_name("ar.yaml"))
     assert [s["method"] for s in d.rollout.speculative] == ["prior", "suffix"]
-    assert d.speculation.bubble_drafting and d.speculation.toggle and d.speculation.adaptive_draft_length
+    assert d.speculation.bubble_drafting and d.speculation.toggle
     validate_world(d, 2)
     assert ar.rollout.speculative is None and not (ar.speculation.bubble_drafting or ar.speculation.toggle
-                                                   or ar.speculation.adaptive_draft_length or ar.speculation.length_classes)
+                                                   or ar.speculation.length_classes)
     # the baseline differs only in speculation, policies and where it writes
     da, aa = config_to_dict(d), config_to_dict(ar)
     assert {s for s in SECTIONS if da[s] != aa[s]} == {"rollout", "speculation", "run"}
     assert da["sft"] == aa["sft"] and da["run"]["seed"] == aa["run"]["seed"]
     q = load_config(Path(DEFAULT).with_name("gsm8k_qwen3.yaml"))
     assert (q.task.name, q.model.path, q.rollout.device, q.rollout.dtype, q.rollout.use_cuda_graphs) == \
-        ("gsm8k", "/path/to/Qwen3-0.6B", "cuda", "bfloat16", True)
+        ("dataset", "/path/to/Qwen3-0.6B", "cuda", "bfloat16", True)
 
 
 def test_overrides_and_yaml_roundtrip(tmp_path):
     cfg = load_config(DEFAULT, ["--grpo.num_steps=3", "rollout.speculative=[{method: ngram, num_draft_tokens: 4}]",
-                                "--sft.lr=1e-3", "--speculation.draft_ladder=[2,4]", "--grpo.epsilon_high=null",
-                                "--grpo.temperature=1"])
-    assert cfg.grpo.num_steps == 3 and cfg.sft.lr == 1e-3 and cfg.speculation.draft_ladder == [2, 4]
+                                "--sft.lr=1e-3", "--speculation.length_classes=[2,4]", "--grpo.epsilon_high=null",
+                                "--grpo.temperature=1", "--speculation.length_class_budgets=[0,2,4]"])
+    assert cfg.grpo.num_steps == 3 and cfg.sft.lr == 1e-3 and cfg.speculation.length_classes == [2, 4]
     assert cfg.rollout.speculative == [{"method": "ngram", "num_draft_tokens": 4}] and cfg.grpo.epsilon_high is None
     assert isinstance(cfg.grpo.temperature, float)
     save_config(cfg, tmp_path / "run" / "config.yaml")
@@ -68,11 +68,13 @@ def _err(overrides, match, path=DEFAULT):
     ("--sft.lr=fast", r"sft\.lr: expected float"),
     ("--run.resume=1", r"run\.resume: expected bool, got int 1"),
     ("--model.path=3", r"model\.path: expected str or null"),
-    ("--speculation.draft_ladder=3", r"speculation\.draft_ladder: expected a list of int"),
+    ("--speculation.length_classes=3", r"speculation\.length_classes: expected a list of int"),
     ("--model.arch=gpt2", r"model\.arch: expected one of llama, qwen2, qwen3, got 'gpt2'"),
     ("--model.num_kv_heads=3", r"model\.num_kv_heads: expected a divisor of num_heads \(4\), got 3"),
     ("--model.hidden_size=250", r"model\.hidden_size: expected divisible by num_heads \(4\) unless head_dim is set, got 250"),
-    ("--task.name=mnist", r"task\.name: expected one of synthetic, gsm8k"),
+    ("--task.name=mnist", r"task\.name: expected one of synthetic, arith, dataset"),
+    ("--task.reward_weights=[1.0]", r"task\.reward_weights: expected null or 0 weights, one per reward"),
+    ("--run.log_to=[tensorboard]", r"run\.log_to: expected a list of jsonl \(metrics\.jsonl"),
     ("--task.max_steps=30", r"task\.max_steps: expected in \[min_steps, 26\]"),
     ("--sft.error_rate=1.5", r"sft\.error_rate: expected in \[0, 1\], got 1.5"),
     ("--grpo.top_p=0", r"grpo\.top_p: expected in \(0, 1\]"),
@@ -96,10 +98,10 @@ def _err(overrides, match, path=DEFAULT):
     ("--rollout.speculative={method: draft_model, num_draft_tokens: 4}", r"rollout\.speculative\.model: expected a draft model directory"),
     ("--rollout.speculative={method: suffix, num_draft_tokens: 4, lenience: 2}",
      r"rollout\.speculative\.lenience: expected an option of suffix: one of method, num_draft_tokens, depth"),
-    ("--speculation.length_class_budgets=[1,2]", r"speculation\.length_class_budgets: expected null or len\(length_classes\) \+ 1 = 3"),
+    ("--speculation.length_classes=[48,96]", r"speculation\.length_classes: expected \[\] unless length_class_budgets gives"),
+    ("--speculation.length_class_budgets=[1,2]", r"speculation\.length_class_budgets: expected null or len\(length_classes\) \+ 1 = 1"),
     ("--speculation.length_classes=[48,16]", r"speculation\.length_classes: expected strictly increasing"),
-    ("--speculation.draft_ladder=[5,3]", r"speculation\.draft_ladder: expected a non-empty strictly increasing"),
-    ("--speculation.ladder_down=0.95", r"speculation\.ladder_down: expected in \(0, ladder_up=0.94\)"),
+    ("--speculation.toggle_min_speedup=0", r"speculation\.toggle_min_speedup: expected > 0"),
     ("--run.num_threads=0", r"run\.num_threads: expected > 0"),
     ("--grpo.max_completion_length=50", r"grpo\.max_completion_length: expected >= 107"),
     ("--grpo.max_completion_length=300", r"grpo\.max_completion_length: expected < model\.max_position_embeddings"),
@@ -114,7 +116,9 @@ def test_validation_errors_name_key_source_and_expectation(override, expected):
 
 
 def test_cross_field_error_names_the_file():
-    _err(["--task.name=gsm8k"], re.escape(DEFAULT) + r": model\.path: expected an HF model directory")
+    _err(["--task.name=arith"], re.escape(DEFAULT) + r": model\.path: expected an HF model directory")
+    _err(["--task.name=dataset"], re.escape(DEFAULT) + r": task\.dataset: expected a file, folder or hub id")
+    _err(["--task.name=dataset", "--task.dataset=x.jsonl"], re.escape(DEFAULT) + r": task\.rewards: expected at least one")
 
 
 def test_lenience_on_prior_is_allowed_but_warns_lossy():
@@ -164,3 +168,14 @@ def test_validate_world():
                                 "--grpo.gradient_accumulation_steps=4"])
     with pytest.raises(ValueError, match=r"grpo\.gradient_accumulation_steps: expected a divisor .* = 18\), got 4"):
         validate_world(cfg, 1)
+
+
+def test_removed_speculation_keys_warn_and_are_ignored():
+    """The draft-length ladder is gone (engine/controller.py's rule sets draft lengths from measured
+    acceptance): its keys in an earlier config or run dir load with one warning each, naming the key."""
+    with pytest.warns(UserWarning, match=r"speculation\.draft_ladder is no longer used"):
+        cfg = load_config(DEFAULT, ["--speculation.draft_ladder=[2,4]"])
+    assert cfg == load_config(DEFAULT)
+    for key in ("adaptive_draft_length: false", "ladder_up: 0.9", "ladder_down: 0.5"):
+        with pytest.warns(UserWarning, match=key.split(":")[0]):
+            config_from_dict({"speculation": yaml.safe_load(key)})

@@ -10,7 +10,7 @@ from nanospec.rl.checkpoint import save_checkpoint
 from nanospec.config import config_from_dict, save_config
 from nanospec.models.loader import load_model
 from nanospec.tasks import build_tiny_vocab_tokenizer, build_tokenizer
-from nanospec.tasks.gsm8k import INSTRUCTION
+from nanospec.tasks.dataset import GSM8K_PROMPT
 
 spec = importlib.util.spec_from_file_location("nanospec_eval", ROOT / "eval.py")
 ev = importlib.util.module_from_spec(spec)
@@ -76,7 +76,7 @@ def gsm8k_rows(tmp_path, n=4):
     data.mkdir()
     for split in ("train", "test"):
         (data / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    words = [w for r in rows for w in (r["question"] + " " + r["answer"] + " " + INSTRUCTION).split()]
+    words = [w for r in rows for w in (GSM8K_PROMPT.format(**r) + " " + r["answer"]).split()]
     return data, build_tiny_vocab_tokenizer(words + [str(i) for i in range(10)] + ["####"])
 
 
@@ -107,12 +107,12 @@ def test_gsm8k_config_trains_one_step_tiny_qwen3(tmp_path):
     data, tok, d = tiny_qwen3_on_gsm8k(tmp_path)
     run = tmp_path / "run"
     cfg = load_config(ROOT / "configs" / "gsm8k_qwen3.yaml", [
-        f"--model.path={d}", f"--task.data_path={data}", "--task.num_train=4", "--task.num_test=2",
+        f"--model.path={d}", f"--task.dataset={data}", "--task.num_train=4", "--task.num_test=2",
         "--grpo.num_steps=1", "--grpo.prompts_per_step=2", "--grpo.num_generations=2",
         "--grpo.max_completion_length=12", "--rollout.dtype=float32", "--rollout.device=cpu",
         "--rollout.use_cuda_graphs=false", "--rollout.max_num_seqs=8", f"--run.out_dir={run}",
         "--speculation.toggle=false"])
-    assert cfg.grpo.gradient_accumulation_steps == 4 and cfg.task.name == "gsm8k"
+    assert cfg.grpo.gradient_accumulation_steps == 4 and cfg.task.name == "dataset"
     out = Trainer(cfg, log=lambda *a: None).train()
     rec, = load_metrics(str(run / "metrics.jsonl"))
     assert rec["mismatch/mean_abs"] < 1e-5 and rec["response_len_max"] <= 12 and 0 <= rec["accuracy"] <= 1

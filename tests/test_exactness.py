@@ -468,14 +468,14 @@ def _exact_case(model, exact, case, key, **llm_kw):
         spec = {"method": "suffix", "num_draft_tokens": K, "min_prob": 0.0}
     elif case.startswith("prior_suffix"):
         spec = [{"method": "prior", "num_draft_tokens": K}, {"method": "suffix", "num_draft_tokens": K}]
-    if case == "prior_suffix_policies":     # draft lengths from past acceptance: toggle trimming + ladder
+    if case == "prior_suffix_policies":     # draft lengths from past acceptance and per-token confidence
         def setup(llm):
             from nanospec.config import SpeculationConfig
             from nanospec.engine.controller import build_controller
-            llm.controller = build_controller(SpeculationConfig(length_classes=[], draft_ladder=[1, 2, 3]), llm)
+            llm.controller = build_controller(SpeculationConfig(), llm)
     llm, outs = sample_with(model, spec, params, drafter, setup, **llm_kw)
     if case == "prior_suffix_policies":     # the per-token trimming ran (it cut ~half the drafts here)
-        assert "suffix" in llm.controller.calibration._counts
+        assert "suffix" in llm.controller.acceptance.counts
     check_exact(llm, outs, dist, f"{case}/{key}")
     check_logprobs(model, outs, params)
     assert any(any(o.from_verify) for o in outs)

@@ -20,8 +20,7 @@ from nanospec.rl.rollout import Sample
 from nanospec.rl.sft import init_weights
 from nanospec.tasks import build_tokenizer, format_prompt
 
-OFF = {"bubble_drafting": False, "length_aware_assignment": False, "length_classes": [], "toggle": False,
-       "adaptive_draft_length": False}
+OFF = {"bubble_drafting": False, "length_aware_assignment": False, "length_classes": [], "toggle": False}
 
 
 def tiny_cfg(tmp_path, **over):

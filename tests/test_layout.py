@@ -5,6 +5,7 @@ import inspect
 import subprocess
 import sys
 import typing
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -80,13 +81,17 @@ def test_config_and_registry_import_without_torch():
 
 
 def test_allowed_values_are_defined_once():
-    """config.py names the allowed values; the modules that act on them agree (a new task, dtype or
-    architecture is added in both places or this fails)."""
+    """config.py names the allowed values; the modules that act on them agree (a new dtype or
+    architecture is added in both places or this fails). A task reads the config knobs its
+    constructor takes."""
     from nanospec import config
     from nanospec.models.decoder import SUPPORTED
     from nanospec.models.loader import DTYPES
     from nanospec.tasks import TASKS
     assert SUPPORTED is config.ARCHS and tuple(DTYPES) == config.DTYPES and tuple(TASKS) == config.TASK_NAMES
+    knobs = {f.name for f in fields(config.TaskConfig)}
+    for name, cls in TASKS.items():
+        assert set(inspect.signature(cls).parameters) <= knobs, name
 
 
 def test_registry_options_are_the_builders_keywords():

@@ -17,7 +17,7 @@ import torch
 from conftest import ROOT
 from nanospec import LLM, SamplingParams
 from nanospec.models.hub import cache_dir, convert_gguf, fetch_smollm2, resolve_model
-from nanospec.tasks import format_prompt, get_task
+from nanospec.tasks import format_prompt, get_task, gsm8k_task, score
 
 pytestmark = pytest.mark.slow
 GSM8K = ROOT.parent / "shared" / "data" / "gsm8k"
@@ -35,7 +35,7 @@ def llm(smollm2):
 
 @pytest.fixture(scope="module")
 def gsm8k_prompts(llm):
-    task = get_task("gsm8k", data_path=GSM8K)
+    task = gsm8k_task(GSM8K)
     problems = task.test(3)
     return task, problems, [format_prompt(llm.tokenizer, p.prompt) for p in problems]
 
@@ -86,10 +86,10 @@ def test_chat_renders_the_template(llm, gsm8k_prompts):
 def test_gsm8k_reward_on_the_models_own_outputs(llm, gsm8k_prompts):
     task, problems, prompts = gsm8k_prompts
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=160), use_tqdm=False)
-    for p, o in zip(problems, outs):
-        r = task.reward(p, o.text)
-        assert r in (0.0, 1.0) and (r == 1.0) == task.is_correct(p, o.text)
-        assert task.reward(p, o.text + f"\n#### {p.answer}") == 1.0      # its final '####' decides
+    rewards, correct, _ = score(task, problems, [o.text for o in outs])
+    assert all(r in (0.0, 1.0) and (r == 1.0) == c for r, c in zip(rewards, correct))
+    final = [o.text + "\n" + p.meta["columns"]["answer"].rsplit("\n", 1)[-1] for p, o in zip(problems, outs)]
+    assert score(task, problems, final)[0] == [1.0] * len(problems)    # its final '####' decides
     arith = get_task("arith")
     q = arith.test(1)[0]
     o = llm.chat([{"role": "user", "content": q.prompt}], SamplingParams(temperature=0.0, max_tokens=96),

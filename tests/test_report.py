@@ -24,7 +24,10 @@ def _full_rec(step, spec="prior+bubble"):
            "target_forwards_per_token": 0.5, "mean_accepted_len": 2.0 + step * 0.1, "spec_on_frac": 0.7,
            "draft_len_mean": 4.0, "tokens_per_s": 1000.0,
            "loss": 0.1, "grad_norm": 1.0, "kl": 0.01, "clip_frac": 0.02, "lr": 1e-4,
-           "mismatch/mean_abs": 1e-6, "mismatch/max_abs": 1e-5, "speculative": spec, "lossy": False}
+           "mismatch/mean_abs": 1e-6, "mismatch/max_abs": 1e-5, "speculative": spec, "lossy": False,
+           "eval/reward_mean": 0.2 + 0.01 * step, "eval/sampled_reward_mean": 0.15, "entropy": 0.9,
+           "completions/clipped_ratio": 0.1, "completions/mean_terminated_length": 18.0,
+           "adv_mass/truncated": -0.01, "adv_mass/terminated": 0.01}
     for d in ("prior", "suffix", "bubble"):
         rec.update({f"drafter/{d}/mean_accepted_len": 1.5, f"drafter/{d}/acceptance_rate": 0.4,
                     f"drafter/{d}/proposed": 100, f"drafter/{d}/accepted": 40, f"drafter/{d}/draft_len": 3})
@@ -139,3 +142,29 @@ def test_cli_subprocess_error(tmp_path):
     run = _write(tmp_path / "bad", [{"step": 0}, {"step": 1}, "{oops"])
     p = subprocess.run([sys.executable, "-m", "nanospec.rl.report", run], cwd=ROOT, capture_output=True, text=True)
     assert p.returncode != 0 and "line 3: invalid JSON" in p.stderr
+
+
+def test_arms_of_several_seeds_draw_mean_and_band_with_a_seed_table(tmp_path):
+    """Two arms of 3 runs each: per-step means, +-1 std bands, the seed table and a Welch t-test."""
+    import yaml
+    arms = {}
+    for arm, spec, shift in (("spec", "prior+suffix", 0.0), ("ar", None, 0.01)):
+        arms[arm] = []
+        for seed in range(3):
+            recs = [dict(_full_rec(s, spec=spec), **{"eval/reward_mean": 0.2 + 0.05 * seed + shift + 0.01 * s})
+                    for s in range(3)]
+            recs[0]["eval_before/reward_mean"] = 0.175
+            d = _write(tmp_path / f"{arm}_s{seed}", recs)
+            (tmp_path / f"{arm}_s{seed}" / "config.yaml").write_text(yaml.safe_dump({"run": {"seed": seed}}))
+            arms[arm].append(d)
+    mean, spread = report.mean_over_runs([report.load_metrics(os.path.join(d, "metrics.jsonl")) for d in arms["spec"]])
+    assert [r["step"] for r in mean] == [0, 1, 2]
+    assert mean[2]["eval/reward_mean"] == pytest.approx(0.2 + 0.05 + 0.02)            # mean over seeds 0, 1, 2
+    assert spread["eval/reward_mean"][2] == pytest.approx(0.05)                       # sample std of 0, .05, .1
+    assert spread["reward_std"][0] == pytest.approx(0.0, abs=1e-12)                 # equal in every seed
+    assert report.main([*arms["spec"], "--compare", *arms["ar"]]) == 0
+    md = open(os.path.join(arms["spec"][0], "report.md")).read()
+    assert "x3 runs" in md and "## Seeds" in md and "| spec_s2 | 2 | 0.175 | 0.320 |" in md
+    assert "**mean +- std of 3** | | | 0.270 +- 0.050" in md
+    assert "Welch t-test" in md and "p = 0.8" in md      # a 0.01 shift against a 0.05 spread: no difference
+    _pngs_ok(arms["spec"][0], md, ["quality", "speculation", "training"])

@@ -88,7 +88,7 @@ def test_assign_prompts_equal_counts_and_errors():
 
 
 def test_greedy_all_policies_identical_to_ar(model_dir, tok, reference):
-    """Speculation (prior+suffix) + toggle + ladder + length classes + length-aware assignment +
+    """Speculation (prior+suffix) + the controller's rule + length classes + length-aware assignment +
     bubble drafting switched on: token-identical to plain AR over 3 steps with repeated prompts."""
     probs = problems(8)
     cfg = greedy_cfg()
@@ -148,7 +148,7 @@ def test_bubble_drafts_are_exact_chi_square(tmp_path):
                  speculation=SpeculationConfig(toggle=False, length_classes=[]))
     llm = LLM(path, tokenizer=tok, block_size=4, max_model_len=16, max_num_seqs=5000, num_kv_blocks=20_000,
               controller=None, speculative=[{"method": "prior", "num_draft_tokens": 3}], seed=1234)
-    llm.controller = build_controller(cfg.speculation, llm)                  # ladder only (clips per source)
+    llm.controller = build_controller(cfg.speculation, llm)                  # None: always the cap
     w = RolloutWorker(llm, tok, cfg)
     true = {k: v.clone() for k, v in llm.model.state_dict().items()}
     g = torch.Generator().manual_seed(0)
@@ -345,13 +345,13 @@ def test_no_gc_pauses_turns_the_collector_off_inside_and_restores_it():
         gc.enable()
 
 
-def test_build_controller_takes_class_budgets_from_the_calibrated_cost_model_unless_given(model_dir, tok):
-    from nanospec.engine.controller import LengthClasses
+def test_build_controller_maps_the_speculation_config(model_dir, tok):
+    """toggle -> the rule (a profiled latency model); length classes -> caps, only when their budgets are
+    given; toggle off and no classes -> no controller: every row drafts num_draft_tokens."""
     llm = make_llm(model_dir, tok)
-    pol = build_controller(SpeculationConfig(length_classes=[8, 16], length_class_budgets=None), llm)
-    want = LengthClasses.for_engine(pol.toggle.latency, [8, 16], llm.scheduler.max_num_seqs, max_k=llm.num_draft_tokens)
-    assert pol.classes.thresholds == (8, 16) and pol.classes.budgets == want.budgets
+    pol = build_controller(SpeculationConfig(length_classes=[8, 16], length_class_budgets=[0, 2, 4]), llm)
+    assert pol.latency is not None and pol.classes.thresholds == (8, 16) and pol.classes.budgets == (0, 2, 4)
+    assert pol.min_speedup == SpeculationConfig().toggle_min_speedup
     pol = build_controller(SpeculationConfig(length_classes=[8, 16], length_class_budgets=[0, 2, 4], toggle=False), llm)
-    assert pol.classes.budgets == (0, 2, 4) and pol.toggle is None
-    ar = make_llm(model_dir, tok, spec=None)     # no drafter, no ladder: still builds (budgets unused)
-    assert len(build_controller(SpeculationConfig(adaptive_draft_length=False), ar).classes.budgets) == 3
+    assert pol.classes.budgets == (0, 2, 4) and pol.latency is None
+    assert build_controller(SpeculationConfig(toggle=False), llm) is None

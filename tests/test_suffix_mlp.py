@@ -49,7 +49,7 @@ def test_suffix_mlp_sampling_is_exact(v8, exact, params):
 
 def test_suffix_mlp_sampling_is_exact_under_the_policies(v8, exact):
     """Its per-token confidence (tree frequency or MLP max q, never a function of the sampled token)
-    feeds the toggle's per-token trimming and the ladder: draft lengths then depend on the drafts'
+    feeds the controller's per-token pricing: draft lengths then depend on the drafts'
     confidence and past acceptance, and the samples must still be exact."""
     from nanospec.config import SpeculationConfig
     from nanospec.engine.controller import build_controller
@@ -57,9 +57,9 @@ def test_suffix_mlp_sampling_is_exact_under_the_policies(v8, exact):
     counts = counting(drafter)
 
     def setup(llm):
-        llm.controller = build_controller(SpeculationConfig(length_classes=[], draft_ladder=[1, 2, 3]), llm)
+        llm.controller = build_controller(SpeculationConfig(), llm)
     llm, outs = sample_with(v8, {"method": "suffix", "num_draft_tokens": K}, TEMP1, drafter=drafter, setup=setup)
-    assert "suffix_mlp" in llm.controller.calibration._counts and counts["mlp"] > 500
+    assert "suffix_mlp" in llm.controller.acceptance.counts and counts["mlp"] > 500
     check_exact(llm, outs, exact["temp1"], "suffix_mlp/policies")
 
 

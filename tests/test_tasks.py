@@ -1,12 +1,17 @@
 """Tasks: synthetic running sums (determinism, splits, length tail, reward, SFT slips), tokenizer, GSM8K."""
 import json
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from nanospec.tasks import (GSM8KTask, SyntheticTask, build_tiny_vocab_tokenizer, build_tokenizer, format_prompt, get_task)
-from nanospec.tasks.gsm8k import default_data_dir, extract_answer
+from nanospec.tasks import (SyntheticTask, build_tiny_vocab_tokenizer, build_tokenizer, format_prompt, get_task,
+                            gsm8k_task, score, task_from_config)
+from nanospec.tasks.dataset import default_gsm8k_dir
+from nanospec.tasks.rewards import extract_answer, gsm8k_answer
+
+INSTRUCTION = "Solve step by step, then give the final number after '####'."
 from nanospec.tasks.synthetic import VOCAB
 
 
@@ -125,26 +130,43 @@ def test_tiny_vocab_tokenizer(tmp_path):
         build_tiny_vocab_tokenizer(["ok", "two words"])
 
 
+GSM8K = default_gsm8k_dir()
+
+
 @pytest.fixture(scope="module")
 def gsm8k():
-    if not (default_data_dir() / "train.jsonl").is_file():
-        pytest.skip(f"no local GSM8K copy at {default_data_dir()}")
-    return GSM8KTask()
+    if not (GSM8K / "train.jsonl").is_file():
+        pytest.skip(f"no local GSM8K copy at {GSM8K}")
+    return gsm8k_task()
 
 
-def test_gsm8k_loads_real_file(gsm8k):
-    rows = gsm8k.rows("train")
-    assert len(rows) == 7473 and len(gsm8k.rows("test")) == 1319
-    assert rows[0]["question"].startswith("Natalia sold clips")
-    first = gsm8k.make_problem(rows[0], 0, "train")
-    assert first.answer == "72" and first.prompt.startswith("Natalia") and "####" in first.prompt
-    assert gsm8k.reward(first, gsm8k.sft_text(first, random.Random(0))) == 1.0
-    assert gsm8k.reward(first, gsm8k.sft_text(first, random.Random(0), error_rate=1.0)) == 0.0
-    ps = gsm8k.train(5)
-    assert [p.meta["index"] for p in ps] == [p.meta["index"] for p in GSM8KTask().train(5)]
-    assert all(gsm8k.reward(p, p.meta["solution"]) == 1.0 for p in ps)
-    tok = build_tiny_vocab_tokenizer(first.prompt.split())       # chat-template prompt, any tokenizer
-    assert tok.unk_token_id not in format_prompt(tok, first.prompt)
+def test_gsm8k_dataset_task_keeps_rows_order_and_rewards(gsm8k):
+    """GSM8K moved onto the dataset task: the same prompts, in the same seeded order as the
+    hand-written reader it replaced (re-derived here from the raw lines), and the '####' reward
+    gives 1 to every reference solution and 0 to an off-by-one final number."""
+    for split, n in (("train", 7473), ("test", 1319)):
+        raw = [json.loads(l) for l in (GSM8K / f"{split}.jsonl").read_text().splitlines() if l.strip()]
+        assert len(raw) == n and len(gsm8k.rows(split)) == n
+        order = list(range(n))
+        random.Random(f"nanospec-gsm8k/0/{split}").shuffle(order)     # the old reader's order
+        got = gsm8k.sample(split, 300)
+        assert [p.prompt for p in got] == [f"{raw[i]['question'].strip()}\n{INSTRUCTION}" for i in order[:300]]
+        assert [p.meta["index"] for p in got] == order[:300] and got[0].messages is None
+        answers = [p.meta["columns"]["answer"] for p in got]
+        rewards, correct, parts = score(gsm8k, got, answers)
+        assert rewards == [1.0] * 300 and all(correct) and parts == {"gsm8k_answer": rewards}
+        off = [a.rsplit("####", 1)[0] + f"#### {int(extract_answer(a)) + 1}" for a in answers]
+        assert score(gsm8k, got, off)[0] == [0.0] * 300
+    assert gsm8k.sample("test", 5, seed=1) != gsm8k.test(5) and gsm8k.test(5) == gsm8k_task().test(5)
+    tok = build_tiny_vocab_tokenizer(got[0].prompt.split())       # chat-template prompt, any tokenizer
+    assert tok.unk_token_id not in format_prompt(tok, got[0].prompt)
+    # configs/gsm8k_qwen3.yaml spells out the same task
+    from nanospec.config import load_config
+    cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "gsm8k_qwen3.yaml",
+                      [f"--task.dataset={GSM8K}"])
+    same = task_from_config(cfg.task)
+    assert [p.prompt for p in same.test(50)] == [p.prompt for p in gsm8k.test(50)]
+    assert same.rewards.fns == gsm8k.rewards.fns
 
 
 @pytest.mark.parametrize("text,want", [
@@ -155,33 +177,24 @@ def test_gsm8k_answer_extraction(text, want):
     assert extract_answer(text) == want
 
 
-def test_gsm8k_reward_parsing(gsm8k):
-    p = gsm8k.make_problem({"question": "q?", "answer": "a\n#### 1,200"}, 0, "test")
-    assert p.answer == "1200"
+def test_gsm8k_reward_parsing():
     for ok in ["The total is $1,200.", "#### 1200", "#### 1200.00", "1,200"]:
-        assert gsm8k.is_correct(p, ok) and gsm8k.reward(p, ok) == 1.0, ok
-    for bad in ["#### 120", "1200 then 5", "", "no number", None]:
-        assert gsm8k.reward(p, bad) == 0.0, bad
-
-
-def test_gsm8k_clear_errors(tmp_path):
-    with pytest.raises(FileNotFoundError, match=r"nowhere.*train\.jsonl"):
-        GSM8KTask(data_path=tmp_path / "nowhere").train(3)
-    good = json.dumps({"question": "q", "answer": "so #### 3"}) + "\n"
-    (tmp_path / "train.jsonl").write_text(good + "\n" + json.dumps({"question": "q", "answer": "no final marker"}) + "\n")
-    with pytest.raises(ValueError, match=r"train\.jsonl: line 3 is malformed.*####"):
-        GSM8KTask(data_path=tmp_path).train(1)
-    (tmp_path / "test.jsonl").write_text(good * 4 + "{not json\n")
-    with pytest.raises(ValueError, match=r"test\.jsonl: line 5: invalid JSON"):
-        GSM8KTask(data_path=tmp_path).test(1)
+        assert gsm8k_answer(["q?"], [ok], answer=["a\n#### 1,200"]) == [1.0], ok
+        assert gsm8k_answer([[{"role": "user", "content": "q?"}]], [[{"role": "assistant", "content": ok}]],
+                            answer=["#### 1200"]) == [1.0], ok
+    for bad in ["#### 120", "1200 then 5", "", "no number"]:
+        assert gsm8k_answer(["q?"], [bad], answer=["a\n#### 1,200"]) == [0.0], bad
+    assert gsm8k_answer(["q?"], ["#### 3"], answer=["no number stated"]) == [None]   # does not apply
 
 
 def test_gsm8k_data_dir_env(monkeypatch, tmp_path):
     monkeypatch.setenv("NANOSPEC_DATA", str(tmp_path))
-    assert default_data_dir() == tmp_path / "gsm8k"
+    assert default_gsm8k_dir() == tmp_path / "gsm8k"
     (tmp_path / "gsm8k").mkdir()
-    (tmp_path / "gsm8k" / "test.jsonl").write_text(json.dumps({"question": "1+1?", "answer": "#### 2"}) + "\n")
-    assert [p.answer for p in GSM8KTask().test()] == ["2"]
+    for split in ("train", "test"):
+        (tmp_path / "gsm8k" / f"{split}.jsonl").write_text(json.dumps({"question": "1+1?", "answer": "#### 2"}) + "\n")
+    p, = gsm8k_task().test()
+    assert p.prompt == f"1+1?\n{INSTRUCTION}" and score(gsm8k_task(), [p], ["#### 2"])[0] == [1.0]
 
 
 def test_arith_word_problems_reward_split_and_tail():

@@ -124,7 +124,7 @@ class LLM:
         self.blocks = BlockManager(num_kv_blocks, block_size, prefix_caching)
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens or
                                    max(self.max_model_len, 4096))
-        # the most drafts a sequence gets per step (the controller's ladder moves below it)
+        # the most drafts a sequence gets per step (the controller chooses below it)
         self.num_draft_tokens = max((s.get("num_draft_tokens", registry.DEFAULT_DRAFT_TOKENS) for s in specs), default=0)
         if use_cuda_graphs:   # GPU: decode/verify steps replay captured graphs (cuda_graphs.py), all of
             from nanospec.engine.cuda_graphs import GraphRunner   # them: Q = 1 + drafts (capture is lazy per Q)
@@ -159,12 +159,7 @@ class LLM:
         if controller == "auto":
             if self.drafter is None:
                 return None
-            # the trainer's mechanism with an engine's defaults: cost-model toggle, draft length from the
-            # cost model and measured acceptance (no ladder), no length classes (they need a task's lengths).
-            # Toggle threshold 1.0, not the trainer's margin: the SpeedupGuard (its own 1.05 margin on
-            # measured speedups) catches predictions that are too optimistic, while a margin on the
-            # prediction would leave a drafter that pays off for the whole request
-            controller = SpeculationConfig(length_classes=[], adaptive_draft_length=False, toggle_min_speedup=1.0)
+            controller = SpeculationConfig()     # the trainer's rule and threshold; no length classes
         if not isinstance(controller, SpeculationConfig):
             raise ValueError(f"controller: expected 'auto', None, a SpeculationConfig or a DraftController, "
                              f"got {controller!r}")
@@ -282,6 +277,7 @@ class LLM:
             proposal = self._propose([seqs[i] for i in fresh])
             drafts = dict(zip(fresh, proposal.tokens))
         tokens = [s.token_ids[a:b] + drafts.get(i, []) for i, (s, a, b) in enumerate(zip(seqs, starts, ends))]
+        t0 = time.perf_counter()
         hidden = self.runner.forward(seqs, tokens, starts)
         self.stats["target_forwards"] += 1
         self.stats["prefill_tokens"] += sum(b - a for a, b in zip(starts, ends))
@@ -289,14 +285,16 @@ class LLM:
             self.drafter.prefill(seqs, tokens, starts)
         for s, b in zip(seqs, ends):
             s.num_computed = b
-        if not fresh:
-            return []
-        # logits at the last prompt token and at each draft: [F, K+1, V] (short rows repeat their last)
-        K = max(map(len, proposal.tokens))
-        pos = torch.tensor([[min(ends[i] - starts[i] - 1 + j, len(tokens[i]) - 1) for j in range(K + 1)]
-                            for i in fresh], device=self.device)
-        logits = self.model.logits(hidden[torch.tensor(fresh, device=self.device).unsqueeze(1), pos])
-        return self._verify_and_append([seqs[i] for i in fresh], logits, proposal)
+        finished = []
+        if fresh:    # logits at the last prompt token and at each draft: [F, K+1, V] (short rows repeat their last)
+            K = max(map(len, proposal.tokens))
+            pos = torch.tensor([[min(ends[i] - starts[i] - 1 + j, len(tokens[i]) - 1) for j in range(K + 1)]
+                                for i in fresh], device=self.device)
+            logits = self.model.logits(hidden[torch.tensor(fresh, device=self.device).unsqueeze(1), pos])
+            finished = self._verify_and_append([seqs[i] for i in fresh], logits, proposal)
+        if self.controller is not None:     # a step like any other: it closes what budgets() opened
+            self.controller.observe_forward(seqs, tokens, time.perf_counter() - t0, prefill=True)
+        return finished
 
     def _decode(self, seqs: list[Sequence]) -> list[Sequence]:
         proposal = self._propose(seqs)
@@ -312,11 +310,9 @@ class LLM:
         flat = torch.tensor(flat, device=self.device)
         logits = self.model.logits(hidden.flatten(0, 1).index_select(0, flat))   # [N, V]
         self.stats["target_forwards"] += 1
-        before = self.stats["generated_tokens"]
         finished = self._verify_and_append(seqs, logits, proposal, torch.tensor(index, device=self.device))
         if self.controller is not None:
-            self.controller.observe_forward(seqs, tokens, time.perf_counter() - t0,
-                                            self.stats["generated_tokens"] - before)
+            self.controller.observe_forward(seqs, tokens, time.perf_counter() - t0)
         return finished
 
     def _propose(self, seqs: list[Sequence]) -> Proposal:

@@ -234,12 +234,12 @@ def flat_loads(data: bytes):
     return Flat(io.BytesIO(root)).load()
 
 
-ENGINE_STATE_VERSION = 3      # 3: per-position acceptance in the controller
+ENGINE_STATE_VERSION = 4      # 4: one decision rule, one acceptance tally per source
 
 
 def engine_state(llm) -> dict:
     """What shapes the next rollouts besides the weights: history drafters' caches (prior responses,
-    suffix tries), the draft controller (ladder rungs, latency model) and model drafters' RNG.
+    suffix tries), the draft controller (acceptance tallies, latency models) and model drafters' RNG.
     Without it a resumed run drafts differently, which consumes the sampler's uniforms differently."""
     drafters = [{"generator": d.generator.get_state()} if d.needs_kv else flat_dumps(dict(vars(d)))
                 for d in members(llm.drafter)]

@@ -3,7 +3,7 @@
 One step, on every rank (torch.distributed, gloo on CPU / nccl on GPU; world 1 without a group):
     problems(step)           the global prompt list, a pure function of (seed, step): resumable
     RolloutWorker.run        this rank's whole groups, G samples each, speculative and exact
-    task.reward              -> group_advantages (groups never straddle ranks)
+    tasks.score (rewards)    -> group_advantages (groups never straddle ranks)
     forward (plain causal)   trainer logprobs; at mu=1 their detached copy *is* the recompute of
                              pi_old, so `mismatch/*` (engine vs trainer, ~1e-6 in fp32) costs nothing
     policy_loss per micro-batch, scaled by the GLOBAL seq/token counts (loss.py contract), backward
@@ -64,7 +64,8 @@ from nanospec.rl.sharding import (clip_grad_norm_, full_weights, load_training_s
                                   training_state)
 from nanospec.engine.sequence import SamplingParams
 from nanospec.rl.sft import prepare_sft_model
-from nanospec.tasks import format_prompt, task_from_config
+from nanospec.rl.live import log_scalars, tensorboard_writer
+from nanospec.tasks import RewardError, longest_prompt, score, task_from_config
 
 
 MICROBATCH_TOKENS = 1024   # padded tokens per forward/backward on the trainer side (a real 135M model:
@@ -235,7 +236,7 @@ class Trainer:
         self.pool = self.task.train(cfg.task.num_train)
         self.test_set = self.task.test(cfg.task.num_test) if cfg.task.num_test else []
         # the longest sequence a rollout can make bounds the engine's length, and so its KV pool
-        longest = max(len(format_prompt(self.tokenizer, p.prompt)) for p in self.pool + self.test_set)
+        longest = longest_prompt(self.tokenizer, self.pool + self.test_set, self.policy.args.max_position_embeddings)
         max_len = longest + g.max_completion_length + 1
         r = cfg.rollout
         # fp32 rollouts share the policy's tensors (one copy of the weights; the optimizer's in-place
@@ -307,7 +308,7 @@ class Trainer:
         """Rewards -> advantages -> mu optimizer steps on this rank's samples (collective)."""
         g, t0 = self.cfg.grpo, time.perf_counter()
         texts = [self.text(s) for s in samples]
-        rewards = [self.task.reward(s.problem, t) for s, t in zip(samples, texts)]
+        rewards, correct, parts = self.score([s.problem for s in samples], texts, [s.completion_ids for s in samples])
         adv = group_advantages(torch.tensor(rewards), g.num_generations, g.scale_rewards)
         # truncated = stopped by max_completion_length. Their rewards and advantages stay in their
         # groups; with mask_truncated_completions (TRL's name, DAPO's overlong filtering) their tokens
@@ -359,10 +360,23 @@ class Trainer:
             for b, n in enumerate(mb.mask.sum(1).long().tolist()):
                 logps.append((o[b, :n].tolist(), mb.rollout_lp[b, :n].tolist(), mb.from_verify[b, :n].tolist()))
         lengths = [len(s.completion_ids) for s in samples]
-        return dict(rewards=rewards, correct=[self.task.is_correct(s.problem, t) for s, t in zip(samples, texts)],
-                    logps=logps, agg=dict(agg), entropy_sum=entropy, lengths=lengths, truncated=truncated.tolist(),
+        return dict(rewards=rewards, correct=correct, logps=logps, agg=dict(agg), entropy_sum=entropy,
+                    lengths=lengths, truncated=truncated.tolist(),
                     adv_tokens=[float(a) * n for a, n in zip(adv.tolist(), lengths)],
+                    parts={k: [x for x in v if x is not None] for k, v in parts.items()},
                     loss=sum(losses) / len(losses), grad_norm=norms[-1], time=time.perf_counter() - t0)
+
+    def score(self, problems, texts, completion_ids=None):
+        """tasks.score on this rank's samples; a reward error on any rank stops every rank with its
+        message (a rank that raised alone would leave the others waiting in the next collective)."""
+        try:
+            out, err = score(self.task, problems, texts, completion_ids), None
+        except RewardError as e:
+            out, err = None, str(e)
+        errs = [e for e in dist.all_gather_object(err) if e]
+        if errs:
+            raise RewardError(errs[0])
+        return out
 
     def _all_reduce(self, t: torch.Tensor, op=None) -> torch.Tensor:
         if self.world > 1:
@@ -468,6 +482,9 @@ class Trainer:
                    frac_reward_zero_std=statistics.fmean(float(max(g) - min(g) < 1e-9) for g in groups),
                    loss=sum(r["loss"] for r in recs), grad_norm=recs[0]["grad_norm"], kl=out.get("kl"))
         out.update(self._length_metrics(recs))
+        for name in recs[0]["parts"]:     # each reward function's mean where it applies (TRL: rewards/<name>/mean)
+            vals = [x for r in recs for x in r["parts"][name]]
+            out[f"reward/{name}"] = statistics.fmean(vals) if vals else None
         return out
 
     @staticmethod
@@ -506,9 +523,10 @@ class Trainer:
         sampled = self.llm.generate(prompts, SamplingParams(temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
                                                             n=samples, seed=self.cfg.run.seed + self.rank, **params),
                                     use_tqdm=False, speculate=False)
-        res = [(self.task.reward(p, o.text), float(self.task.is_correct(p, o.text))) for p, o in zip(mine, greedy)]
-        res = [x for r in dist.all_gather_object(res) for x in r]
-        drawn = [self.task.reward(mine[i // samples], o.text) for i, o in enumerate(sampled)]
+        rewards, correct, _ = self.score(mine, [o.text for o in greedy], [o.token_ids for o in greedy])
+        res = [x for r in dist.all_gather_object(list(zip(rewards, map(float, correct)))) for x in r]
+        drawn = self.score([mine[i // samples] for i in range(len(sampled))], [o.text for o in sampled],
+                           [o.token_ids for o in sampled])[0]
         drawn = [x for r in dist.all_gather_object(drawn) for x in r]
         greedy_rewards = [r for r, _ in res]
         return {"eval/reward_mean": statistics.fmean(greedy_rewards),
@@ -593,22 +611,33 @@ class Trainer:
             self.eval_before = self.evaluate()
             self.log(f"[eval] before: {self.eval_before}")
         bar = tqdm(total=cfg.grpo.num_steps, initial=self.step, desc="grpo", disable=self.rank != 0)
+        tb = tensorboard_writer(self.run_dir, cfg.run.log_to) if self.rank == 0 else None
         m = {}
         while self.step < cfg.grpo.num_steps:
-            m = self.train_step()
-            last = self.step == cfg.grpo.num_steps
-            if last or (cfg.run.eval_every and self.step % cfg.run.eval_every == 0):
-                m.update(self.evaluate())
+            try:
+                m = self.train_step()
+                last = self.step == cfg.grpo.num_steps
+                if last or (cfg.run.eval_every and self.step % cfg.run.eval_every == 0):
+                    m.update(self.evaluate())
+            except RewardError:
+                bar.close()         # the error's line goes below the bar, not onto it
+                raise
+            if self.step == 1 and self.eval_before:   # the run's starting point, in its own record
+                m.update({k.replace("eval/", "eval_before/", 1): v for k, v in self.eval_before.items()})
             for msg in self.guard.update(m, self.eval_before):
                 self._warn(msg)
             if self.rank == 0:
                 with open(metrics_path, "a") as f:
                     f.write(json.dumps({k: _finite(v) for k, v in m.items()}) + "\n")
+                log_scalars(tb, m)
             bar.update(1)
-            bar.set_postfix(reward=f"{m['reward_mean']:.3f}", t_roll=f"{m['time_rollout']:.1f}s")
+            bar.set_postfix(reward=f"{m['reward_mean']:.3f}", tok_s=f"{m['tokens_per_s']:.0f}",
+                            fwd_tok=f"{m['target_forwards_per_token']:.2f}", t_roll=f"{m['time_rollout']:.1f}s")
             if last or (cfg.run.save_every and self.step % cfg.run.save_every == 0):
                 self.save()
         bar.close()
+        if tb is not None:
+            tb.close()
         after = {k: v for k, v in m.items() if k.startswith("eval/")} or self.evaluate()
         return self.summary(after, time.perf_counter() - t0)
 

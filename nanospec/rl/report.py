@@ -1,6 +1,6 @@
 """Plots and a one-page Markdown report of where rollout time goes.
 
-    python -m nanospec.rl.report RUN_DIR [--compare OTHER_RUN_DIR]
+    python -m nanospec.rl.report RUN_DIR [RUN_DIR ...] [--compare OTHER_RUN_DIR [OTHER_RUN_DIR ...]]
 
 reads RUN_DIR/metrics.jsonl (one JSON object per GRPO optimizer step, times in seconds) and writes
 RUN_DIR/report_*.png + RUN_DIR/report.md. Why these pictures: in a batched GRPO rollout every rank
@@ -8,7 +8,11 @@ waits for its slowest sequence, so the long tail of response lengths leaves rank
 "bubble"); the timeline shows that bubble and how much of it bubble drafting recovered, the quality
 plot checks that speculation did not change learning (exactness => AR and speculative curves agree
 within noise), the speculation plot shows why it did or did not pay (accepted length per target
-forward). Every metric except `step` is optional: a missing one skips its panel with a note.
+forward). Several run dirs on either side are one arm, run on several seeds: its curves are the mean
+over the runs with a band of +-1 standard deviation, and a seed table gives each run's final eval
+with a Welch t-test between the two arms (one RL run is one draw; the claim "speculation changes
+time, never the curve" needs the spread). Every metric except `step` is optional: a missing one
+skips its panel with a note.
 Uses matplotlib's object API (Figure + Agg canvas, no pyplot state), imported lazily.
 """
 from __future__ import annotations
@@ -201,9 +205,11 @@ def plot_sim_timeline(measured: list[dict], simulated: list[dict], out: str) -> 
     return _save(fig, out)
 
 
-def _line_panels(runs, panels, out, title):
+def _line_panels(runs, panels, out, title, spreads=None):
     """runs: [(label, recs)]; panels: [(ylabel, [(key, legend)])]. Colour = key, linestyle = run.
-    Returns (path or None, notes for panels that had no data)."""
+    spreads: per run, {key: {step: std over seeds}} (an arm of several runs). Returns (path or None,
+    notes for panels that had no data)."""
+    spreads = spreads or [{} for _ in runs]
     has = lambda k: any(_series(recs, k)[0] for _, recs in runs)
     active = [(yl, [kl for kl in keys if has(kl[0])]) for yl, keys in panels]
     notes = [f"{yl}: no {'/'.join(f'`{k}`' for k, _ in keys)}" for (yl, keys), (_, a) in zip(panels, active) if not a]
@@ -220,7 +226,12 @@ def _line_panels(runs, panels, out, title):
                     continue
                 name = f"{label}: {leg}" if len(runs) > 1 else leg
                 ax.plot(xs, ys, color=f"C{ci}", ls=("-", "--")[ri % 2], marker=".", ms=3, lw=1, label=name)
-                if key == "reward_mean":
+                spread = spreads[ri].get(key)
+                if spread:                                    # several seeds: mean +- std over them
+                    sd = [spread.get(x, 0.0) for x in xs]
+                    ax.fill_between(xs, [y - s for y, s in zip(ys, sd)], [y + s for y, s in zip(ys, sd)],
+                                    color=f"C{ci}", alpha=0.15 if ri == 0 else 0.08, hatch=None if ri == 0 else "//")
+                elif key == "reward_mean":
                     sx, sd = _series(recs, "reward_std")
                     if sx == xs:
                         ax.fill_between(xs, [y - s for y, s in zip(ys, sd)], [y + s for y, s in zip(ys, sd)],
@@ -290,12 +301,76 @@ def _label(run_dir, recs):
     return f"{os.path.basename(os.path.normpath(run_dir))} [{spec or 'AR'}{lossy}]"
 
 
-def write_report(run_dir: str, compare_dir: str | None = None) -> str:
-    """Write RUN_DIR/report_*.png and RUN_DIR/report.md; returns the report.md path."""
-    runs = [(_label(run_dir, r), r) for r in [load_metrics(os.path.join(run_dir, "metrics.jsonl"))]]
-    if compare_dir is not None:
-        crecs = load_metrics(os.path.join(compare_dir, "metrics.jsonl"))
-        runs.append((_label(compare_dir, crecs), crecs))
+def mean_over_runs(runs: list[list[dict]]) -> tuple[list[dict], dict]:
+    """Several runs of one arm -> (one record per step every run has: the mean of each numeric key,
+    lists elementwise; the first run's value otherwise, {key: {step: std over runs}})."""
+    steps = sorted(set.intersection(*({r["step"] for r in recs} for recs in runs)))
+    by_step = [{r["step"]: r for r in recs} for recs in runs]
+    out, spread = [], {}
+    for st in steps:
+        rows, rec = [b[st] for b in by_step], {}
+        for k in dict.fromkeys(k for r in rows for k in r):
+            vals = [r.get(k) for r in rows]
+            nums = [float(v) for v in vals if _is_num(v) and math.isfinite(v)]
+            if k != "step" and len(nums) == len(vals):
+                mu = sum(nums) / len(nums)
+                rec[k] = mu
+                if len(nums) > 1:
+                    spread.setdefault(k, {})[st] = math.sqrt(sum((x - mu) ** 2 for x in nums) / (len(nums) - 1))
+            elif all(isinstance(v, list) and len(v) == len(vals[0]) and all(map(_is_num, v)) for v in vals):
+                rec[k] = [sum(x) / len(x) for x in zip(*vals)]
+            else:
+                rec[k] = vals[0]
+        out.append(rec)
+    return out, spread
+
+
+def seed_table(arms: list[tuple[str, list[str], list[list[dict]]]]) -> list[str]:
+    """Markdown: each run's seed, eval before -> after (greedy reward, accuracy), wall seconds; per arm
+    the mean +- std; a Welch t-test on the final greedy reward between the first two arms."""
+    import yaml
+    lines = ["| arm | run | seed | eval reward before | eval reward after | accuracy after | step time sum (s) |",
+             "|---|---|---|---|---|---|---|"]
+    finals = []
+    f = lambda v: "n/a" if v is None else f"{v:.3f}"
+    for label, dirs, runs in arms:
+        after = []
+        for d, recs in zip(dirs, runs):
+            cfg = os.path.join(d, "config.yaml")
+            seed = (yaml.safe_load(open(cfg)) or {}).get("run", {}).get("seed") if os.path.isfile(cfg) else None
+            last = next((r for r in reversed(recs) if _is_num(r.get("eval/reward_mean"))), {})
+            a = last.get("eval/reward_mean")
+            after += [a] if a is not None else []
+            lines.append(f"| {label} | {os.path.basename(os.path.normpath(d))} | {seed} | "
+                         f"{f(recs[0].get('eval_before/reward_mean'))} | {f(a)} | {f(last.get('eval/accuracy'))} | "
+                         f"{sum(r['time_step'] for r in recs if _is_num(r.get('time_step'))):.0f} |")
+        if len(after) > 1:
+            mu = sum(after) / len(after)
+            sd = math.sqrt(sum((x - mu) ** 2 for x in after) / (len(after) - 1))
+            lines.append(f"| {label} | **mean +- std of {len(after)}** | | | {mu:.3f} +- {sd:.3f} | | |")
+        finals.append(after)
+    if len(finals) > 1 and min(len(finals[0]), len(finals[1])) > 1:
+        from scipy.stats import ttest_ind
+        t = ttest_ind(finals[0], finals[1], equal_var=False)
+        lines += ["", f"Welch t-test on the final greedy eval reward, {arms[0][0]} vs {arms[1][0]}: "
+                      f"t = {t.statistic:.3f}, p = {t.pvalue:.3f} (p > 0.05: no difference detected at these seeds)."]
+    return lines
+
+
+def write_report(run_dir, compare_dir=None) -> str:
+    """Write report_*.png and report.md into the (first) run dir; returns the report.md path.
+    run_dir / compare_dir: a run dir, or a list of run dirs of one arm (seeds)."""
+    as_list = lambda d: [] if d is None else [d] if isinstance(d, (str, os.PathLike)) else list(d)
+    arms = []
+    for dirs in (as_list(run_dir), as_list(compare_dir)):
+        if dirs:
+            runs = [load_metrics(os.path.join(d, "metrics.jsonl")) for d in dirs]
+            label = _label(dirs[0], runs[0]) + (f" x{len(dirs)} runs" if len(dirs) > 1 else "")
+            arms.append((label, dirs, runs))
+    run_dir = arms[0][1][0]
+    merged = [mean_over_runs(runs) if len(runs) > 1 else (runs[0], {}) for _, _, runs in arms]
+    runs = [(label, recs) for (label, _, _), (recs, _) in zip(arms, merged)]
+    spreads = [sp for _, sp in merged]
     recs = runs[0][1]
     dr = sorted({k.split("/")[1] for _, rs in runs for r in rs for k in r if k.count("/") == 2 and k[:8] == "drafter/"})
     per = lambda m: [(f"drafter/{d}/{m}", d) for d in dr]
@@ -303,9 +378,13 @@ def write_report(run_dir: str, compare_dir: str | None = None) -> str:
     lines = [f"# Rollout report: {runs[0][0]}", ""]
     if len(runs) > 1:
         lines += [f"Compared with: {runs[1][0]} (dashed lines / hatched bars).", ""]
+    if any(len(d) > 1 for _, d, _ in arms):
+        lines += ["Several runs in an arm: curves are their per-step mean, bands +-1 std over the runs.", ""]
     heads = [headline(r) for _, r in runs]
     lines += ["| metric | " + " | ".join(l for l, _ in runs) + " |", "|---" * (len(runs) + 1) + "|"]
     lines += [f"| {k} | " + " | ".join("n/a" if h[k] is None else f"{h[k]:.4g}" for h in heads) + " |" for k in heads[0]]
+    if any(len(d) > 1 for _, d, _ in arms):
+        lines += ["", "## Seeds", ""] + seed_table(arms)
 
     def section(title, path, notes=(), why=""):
         lines.extend(["", f"## {title}", ""])
@@ -317,20 +396,23 @@ def write_report(run_dir: str, compare_dir: str | None = None) -> str:
     lines += ["", "Rows are ranks; grey = idle bubble waiting for the slowest rank, hatched green = bubble spent "
                  "pre-generating drafts." + (" (main run only)" if len(runs) > 1 else "")]
     quality = [("reward", [("reward_mean", "mean reward (+-std)")]),
+               ("eval reward", [("eval/reward_mean", "greedy"), ("eval/sampled_reward_mean", "sampled")]),
                ("accuracy", [("accuracy", "accuracy"), ("frac_reward_zero_std", "frac zero-std groups")]),
                ("response length", [("response_len_mean", "mean"), ("response_len_p50", "p50"),
-                                    ("response_len_max", "max")])]
+                                    ("response_len_max", "max"), ("completions/mean_terminated_length", "ended")]),
+               ("truncation / entropy", [("completions/clipped_ratio", "truncated share"), ("entropy", "entropy")])]
     spec = [("accepted length", [("mean_accepted_len", "all")] + per("mean_accepted_len")),
             ("target fwd / token", [("target_forwards_per_token", "all")]),
             ("acceptance rate", per("acceptance_rate")),
-            ("draft length", [("draft_len_mean", "ladder")] + per("draft_len")),
+            ("draft length", [("draft_len_mean", "all")] + per("draft_len")),
             ("spec on frac", [("spec_on_frac", "spec on"), ("bubble_recovered_frac", "bubble recovered")])]
     train = [("loss", [("loss", "loss")]), ("grad norm", [("grad_norm", "grad norm")]),
              ("kl / clip", [("kl", "kl"), ("clip_frac", "clip frac")]),
+             ("advantage mass", [("adv_mass/truncated", "truncated"), ("adv_mass/terminated", "terminated")]),
              ("logprob mismatch", [("mismatch/mean_abs", "mean |d|"), ("mismatch/max_abs", "max |d|")])]
     for title, panels, name in (("Reward, accuracy, response length", quality, "quality"),
                                 ("Speculation", spec, "speculation"), ("Training health", train, "training")):
-        path, notes = _line_panels(runs, panels, p(name), title)
+        path, notes = _line_panels(runs, panels, p(name), title, spreads)
         section(title, path, notes, why="none of its metrics present")
     section("Step-time breakdown", plot_step_time(runs, p("step_time")),
             why="no `time_rollout` / `time_train` / `time_weight_sync`")
@@ -342,8 +424,9 @@ def write_report(run_dir: str, compare_dir: str | None = None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m nanospec.rl.report", description=__doc__.splitlines()[0])
-    ap.add_argument("run_dir", help="directory holding metrics.jsonl")
-    ap.add_argument("--compare", default=None, help="second run dir drawn on the same axes")
+    ap.add_argument("run_dir", nargs="+", help="directory holding metrics.jsonl; several: one arm's seeds")
+    ap.add_argument("--compare", nargs="+", default=None,
+                    help="a second arm drawn on the same axes: one run dir, or several (its seeds)")
     a = ap.parse_args(argv)
     print(write_report(a.run_dir, a.compare))
     return 0

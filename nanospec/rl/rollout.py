@@ -128,7 +128,7 @@ class RolloutWorker:
 
     def prompt_ids(self, problem: Problem) -> list[int]:
         if problem.prompt not in self._ids:
-            self._ids[problem.prompt] = format_prompt(self.tokenizer, problem.prompt)
+            self._ids[problem.prompt] = format_prompt(self.tokenizer, problem.messages or problem.prompt)
         return self._ids[problem.prompt]
 
     def predict(self, problem: Problem) -> float:

@@ -1,34 +1,51 @@
 """Verifiable tasks behind one interface, so the trainer and eval treat them alike:
 
     task.train(n) / task.test(n) / task.sample(split, n, seed) -> list[Problem]
-    task.sft_text(problem, rng, error_rate) -> target completion text
-    task.reward(problem, completion_text) -> float in [0, 1];  task.is_correct(...) -> bool
+    score(task, problems, completion_texts) -> (rewards, correct, {reward function: values})
+    task.sft_text(problem, rng, error_rate) -> target completion text   (tasks that make their problems)
 
-Prompts become token ids with `format_prompt(tokenizer, problem.prompt)` (chat template + generation
-prompt); completions are scored after `tokenizer.decode(ids, skip_special_tokens=True)`.
+Two kinds: `dataset` (dataset.py) reads the user's rows and scores them with TRL-shaped reward
+functions (rewards.py); `synthetic` and `arith` generate their own problems and score one completion
+at a time (`task.reward(problem, text)`, `task.is_correct(...)`). A new task is a TASKS entry and its
+name in config.TASK_NAMES (config sits below tasks); the config knobs it reads are its constructor's
+parameters.
+
+Prompts become token ids with `format_prompt(tokenizer, problem.messages or problem.prompt)` (chat
+template + generation prompt); completions are scored after `tokenizer.decode(ids, skip_special_tokens=True)`.
 """
-from nanospec.tasks.arith import ArithTask
-from nanospec.tasks.gsm8k import GSM8KTask
-from nanospec.tasks.synthetic import Problem, SyntheticTask
-from nanospec.tasks.tokenizer import build_tiny_vocab_tokenizer, build_tokenizer, format_prompt
+import inspect
 
-TASKS = {"synthetic": SyntheticTask, "gsm8k": GSM8KTask, "arith": ArithTask}
-_KNOBS = {"synthetic": ("seed", "min_steps", "max_steps", "zipf_alpha", "modulus", "test_fraction", "final_weight"),
-          "gsm8k": ("seed", "data_path"),
-          "arith": ("seed", "min_steps", "max_steps", "zipf_alpha", "test_fraction", "format_credit")}
+from nanospec.tasks.arith import ArithTask
+from nanospec.tasks.dataset import DatasetTask, gsm8k_task
+from nanospec.tasks.rewards import RewardError
+from nanospec.tasks.synthetic import Problem, SyntheticTask
+from nanospec.tasks.tokenizer import build_tiny_vocab_tokenizer, build_tokenizer, format_prompt, longest_prompt
+
+TASKS = {"synthetic": SyntheticTask, "arith": ArithTask, "dataset": DatasetTask}
 
 
 def get_task(name: str, **kw):
-    """A task by name: "synthetic", "gsm8k" or "arith" (the class's keyword arguments)."""
+    """A task by name (TASKS), built with the class's keyword arguments."""
     if name not in TASKS:
         raise ValueError(f"task.name: unknown task {name!r}; expected one of {sorted(TASKS)}")
     return TASKS[name](**kw)
 
 
 def task_from_config(tc):
-    """The task of a `task` config section (config.TaskConfig): only the knobs its kind reads."""
-    return get_task(tc.name, **{k: getattr(tc, k) for k in _KNOBS.get(tc.name, ())})
+    """The task of a `task` config section (config.TaskConfig): the knobs its constructor takes."""
+    params = inspect.signature(TASKS[tc.name]).parameters if tc.name in TASKS else {}
+    return get_task(tc.name, **{k: getattr(tc, k) for k in params if hasattr(tc, k)})
 
 
-__all__ = ["Problem", "SyntheticTask", "GSM8KTask", "ArithTask", "get_task", "task_from_config", "build_tokenizer",
-           "build_tiny_vocab_tokenizer", "format_prompt", "TASKS"]
+def score(task, problems: list[Problem], texts: list[str], completion_ids: list | None = None):
+    """(reward per completion, correct per completion, {reward function: values}) of `texts`, the
+    completions of `problems`. Raises RewardError (one line) for a misbehaving reward function."""
+    if hasattr(task, "score"):
+        return task.score(problems, texts, completion_ids)
+    return ([task.reward(p, t) for p, t in zip(problems, texts)],
+            [task.is_correct(p, t) for p, t in zip(problems, texts)], {})
+
+
+__all__ = ["Problem", "SyntheticTask", "ArithTask", "DatasetTask", "RewardError", "get_task", "gsm8k_task",
+           "task_from_config", "score", "build_tokenizer", "build_tiny_vocab_tokenizer", "format_prompt",
+           "longest_prompt", "TASKS"]

@@ -9,7 +9,7 @@ answers of 150+ tokens), so GRPO has no signal and each step costs minutes. Thes
 answer format and the synthetic task's heavy tail (k operations, truncated Zipf law on
 [min_steps, max_steps]), and SmolLM2-135M-Instruct starts in the 0.1-0.6 reward range.
 
-Reward = 1 for the right final number (gsm8k.extract_answer: after the last '####', else the last
+Reward = 1 for the right final number (rewards.extract_answer: after the last '####', else the last
 number); otherwise `format_credit` if the completion at least states a number after '####' (GSM8K's
 answer format, partial credit so that a weak policy sees some signal), else 0.
 """
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import random
 
-from nanospec.tasks.gsm8k import _NUM, extract_answer
+from nanospec.tasks.rewards import _NUM, extract_answer
 from nanospec.tasks.synthetic import Problem, _in_test
 
 NAMES = ["Mia", "Tom", "Anna", "Ben", "Lily", "Sam", "Noah", "Emma", "Leo", "Ava"]

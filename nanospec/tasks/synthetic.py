@@ -35,11 +35,14 @@ VOCAB = list("0123456789") + list(LABELS) + [";", "=", "?"]
 
 @dataclass
 class Problem:
-    """One prompt of any task. `steps`: task-specific working (here (label, digit, sum) triples)."""
+    """One prompt of any task. `steps`: task-specific working (here (label, digit, sum) triples).
+    `messages`: a conversational prompt ({role, content} dicts; `prompt` is then only its key), None:
+    `prompt` is one user turn."""
     prompt: str
     answer: str
     steps: list = field(default_factory=list)
     meta: dict = field(default_factory=dict)
+    messages: list | None = None
 
 
 def _in_test(prompt: str, test_fraction: float) -> bool:

@@ -50,7 +50,23 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     return build_tiny_vocab_tokenizer(VOCAB)
 
 
-def format_prompt(tokenizer, text: str, **template_kwargs) -> list[int]:
-    """Token ids of one user turn + the generation prompt (what `LLM.chat` feeds for that turn)."""
+def format_prompt(tokenizer, prompt: str | list[dict], **template_kwargs) -> list[int]:
+    """Token ids of a prompt + the generation prompt (what `LLM.chat` feeds): a string is one user
+    turn, a list of {role, content} messages goes to the chat template as it is."""
     from nanospec.models.loader import chat_prompt_ids
-    return chat_prompt_ids(tokenizer, [{"role": "user", "content": text}], **template_kwargs)
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    return chat_prompt_ids(tokenizer, messages, **template_kwargs)
+
+
+def longest_prompt(tokenizer, problems, max_model_len: int) -> int:
+    """The longest prompt of `problems` in tokens; a ValueError naming the first one that leaves no
+    room for a completion within `max_model_len` (a rollout would fail on it mid-run)."""
+    longest = 0
+    for p in problems:
+        n = len(format_prompt(tokenizer, p.messages or p.prompt))
+        if n >= max_model_len:
+            where = p.meta.get("row") or repr(p.prompt[:60])
+            raise ValueError(f"task: the prompt of {where} has {n} tokens; the model's max_model_len "
+                             f"(max_position_embeddings) is {max_model_len}")
+        longest = max(longest, n)
+    return longest
