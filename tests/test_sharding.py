@@ -24,7 +24,7 @@ def launch(shared, out, *extra, nodes: int = 1, procs: int = 2, script: str = "t
     """Run `script` on nodes x procs ranks (nodes > 1: one torchrun per node, c10d rendezvous on this box)."""
     args = [script, *ARGS, f"--run.out_dir={out}", f"--sft.out_dir={shared / 'sft'}",
             f"--speculation.latency_profile={shared / 'profile.json'}", *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}   # a script outside the repo imports nanospec
     if nodes == 1:
         cmds = [[PY, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}", *args]]
     else:
