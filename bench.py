@@ -1,9 +1,10 @@
-"""Benchmarks: `python bench.py --suite engine|spec|rollout|gpu|real|all [--out bench_out]`.
+"""Benchmarks: `python bench.py --suite engine|spec|rollout|gpu|real|scale|all [--out bench_out]`.
 
 Each suite measures its variants side by side in one run, prints a table, and writes
 `<out>/<suite>.json` plus `<out>/<suite>.png` (speedup bars). Speed is only ever measured here,
 never asserted in tests. Suites live in benchmarks/<suite>.py and expose `run(args) -> list[dict]`;
-every row has at least `name` and `speedup` (vs the suite's baseline), plus `lossy: bool`.
+every row has at least `name` and `speedup` (vs the suite's baseline), plus `lossy: bool`; the
+memory suite (`scale`) has no speedups, only bytes.
 """
 import argparse
 import importlib
@@ -13,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-SUITES = ("engine", "spec", "rollout", "gpu", "real", "assisted", "suffix")
+SUITES = ("engine", "spec", "rollout", "gpu", "real", "assisted", "suffix", "scale")
 ALL = ("engine", "spec", "rollout", "gpu")     # `real` fetches SmolLM2 and runs ~20 min: asked for by name
 
 
@@ -47,9 +48,11 @@ def main(argv=None) -> int:
         print_table(rows, f"{suite} ({time.perf_counter() - t0:.0f}s)")
         result = {"suite": suite, "rows": rows, "argv": sys.argv, "torch_threads": args.threads}
         Path(args.out, f"{suite}.json").write_text(json.dumps(result, indent=2))
-        from nanospec.rl.report import plot_bench
-        plot_bench([r for r in rows if "speedup" in r], str(Path(args.out, f"{suite}.png")), f"bench: {suite}")
-        print(f"wrote {args.out}/{suite}.json and {suite}.png")
+        fast = [r for r in rows if "speedup" in r]
+        if fast:                # (memory suites have no speedups to plot)
+            from nanospec.rl.report import plot_bench
+            plot_bench(fast, str(Path(args.out, f"{suite}.png")), f"bench: {suite}")
+        print(f"wrote {args.out}/{suite}.json" + (f" and {suite}.png" if fast else ""))
     return 0
 
 

@@ -27,6 +27,7 @@ from nanospec.drafters import registry
 # Allowed values, defined once; the modules that act on them import these.
 ARCHS = ("llama", "qwen2", "qwen3")                  # models/decoder.py
 DTYPES = ("float32", "bfloat16", "float16")          # models/loader.py
+SHARDINGS = ("none", "fsdp")                         # rl/sharding.py
 TASK_NAMES = ("synthetic", "arith", "dataset")       # tasks/__init__.py (TASKS)
 LOSS_TYPES = ("grpo", "dapo")                        # rl/loss.py
 TIS_MODES = ("truncate", "mask")                     # rl/loss.py
@@ -171,6 +172,7 @@ class RolloutConfig:
     use_cuda_graphs: bool = False
     gpu_memory_utilization: float = 0.5
     kv_cache_gib: float | None = None   # CPU KV pool in GiB (null: 2, at most 1/4 of available RAM)
+    sleep_level: int = 1                # while training: 1 frees the KV pool, 2 the engine's weights too
 
     def rules(self):
         return [("dtype", self.dtype in DTYPES, _one_of(DTYPES)),
@@ -182,6 +184,7 @@ class RolloutConfig:
                  "false unless device is cuda (CUDA graphs need a GPU)"),
                 ("gpu_memory_utilization", 0 < self.gpu_memory_utilization <= 1, "in (0, 1]"),
                 ("kv_cache_gib", self.kv_cache_gib is None or self.kv_cache_gib > 0, "null or a size in GiB > 0"),
+                ("sleep_level", self.sleep_level in (1, 2), "1 (KV pool) or 2 (KV pool and engine weights)"),
                 *registry.rules(self.speculative, default_k=None, warn=True)]
 
 
@@ -220,11 +223,16 @@ class RunConfig:
     resume: bool = False
     eval_every: int = 0                 # 0: eval only at the start and the end
     num_threads: int = 1                # torch threads per rank
+    sharding: str = "none"              # none (replicated) | fsdp (FSDP2: params, grads, AdamW sharded)
+    activation_checkpointing: bool = False  # fsdp: recompute each decoder layer in backward
     log_to: list[str] = field(default_factory=lambda: ["jsonl"])   # + tensorboard (RUN_DIR/tensorboard)
 
     def rules(self):
         import importlib.util
         return [("out_dir", self.out_dir.strip() != "", "a non-empty path"),
+                ("sharding", self.sharding in SHARDINGS, _one_of(SHARDINGS)),
+                ("activation_checkpointing", not self.activation_checkpointing or self.sharding == "fsdp",
+                 "false unless sharding is fsdp"),
                 ("log_to", "jsonl" in self.log_to and set(self.log_to) <= {"jsonl", "tensorboard"},
                  "a list of jsonl (metrics.jsonl, the run's record: always) and tensorboard"),
                 ("log_to", "tensorboard" not in self.log_to or importlib.util.find_spec("tensorboard") is not None,
@@ -396,6 +404,10 @@ def _cross_rules(cfg: Config):
              or cfg.grpo.max_completion_length >= 4 * cfg.task.max_steps + 3,
              f">= {4 * cfg.task.max_steps + 3}, the longest synthetic answer + eos (task.max_steps="
              f"{cfg.task.max_steps}): truncated answers can never be right"),
+            ("rollout.sleep_level", cfg.rollout.sleep_level == 1 or (not cfg.grpo.max_staleness and (
+                cfg.run.sharding == "fsdp" or cfg.rollout.dtype != "float32" or cfg.rollout.use_cuda_graphs)),
+             "1 unless the engine holds its own weights (run.sharding fsdp, a rollout dtype other than "
+             "float32 or CUDA graphs) and sleeps while training (grpo.max_staleness 0)"),
             ("model.path", cfg.task.name == "synthetic" or cfg.model.path is not None,
              f"an HF model directory (with its tokenizer) for task {cfg.task.name}: the embedded tokenizer "
              f"only covers the synthetic task")]

@@ -194,6 +194,35 @@ def weight_sync_time(hw: Hardware, m: ModelShape, colocated: bool) -> float:
     return 2 * nbytes / (hw.mem_bw * hw.bw_eff) if colocated else nbytes / (hw.interconnect_bw / 2)
 
 
+# ---- memory per rank -----------------------------------------------------------------------------------
+DEVICE_BYTES = {"h100": 80e9, "h200": 141e9}     # HBM per GPU (data sheets)
+
+
+def memory_rows(m: ModelShape, ranks: int, kv_tokens: int, device_bytes: float) -> list[dict]:
+    """Bytes per rank of colocated GRPO (trainer and engine on every rank), replicated vs FSDP
+    (run.sharding). Training state in fp32 (master weights, gradients, both AdamW moments: 16 B per
+    parameter), over `ranks` under FSDP, which also holds two gathered layers in the engine's dtype while
+    it computes (the current one, the prefetched next); the engine keeps a whole copy in its dtype and
+    `kv_tokens` of KV cache. Gradients exist only while training; the KV pool only while rolling out
+    (sleep level 1), and at sleep level 2 the engine's weights are freed while training as well:
+    peak = max(training, rollout). Activations are left out (they scale with the micro-batch)."""
+    P, G = m.params, 1024 ** 3
+    layer = (m.matmul_params - m.vocab * m.hidden) / m.layers * m.dtype_bytes
+    engine, kv = P * m.dtype_bytes, kv_tokens * m.kv_bytes_per_token
+    rows = []
+    for sharding, sleep in (("none", 1), ("fsdp", 1), ("fsdp", 2)):
+        n = ranks if sharding == "fsdp" else 1
+        weights, grads, opt = 4 * P / n, 4 * P / n, 8 * P / n
+        gathered = 2 * layer if n > 1 else 0.0
+        train = weights + grads + opt + gathered + (engine if sleep == 1 else 0.0)
+        roll = weights + opt + engine + kv
+        peak = max(train, roll)
+        rows.append(dict(sharding=sharding, sleep_level=sleep, weights_gib=weights / G, grads_gib=grads / G,
+                         optimizer_gib=opt / G, engine_gib=engine / G, kv_gib=kv / G, peak_gib=peak / G,
+                         fits=peak <= device_bytes))
+    return rows
+
+
 # ---- speculation --------------------------------------------------------------------------------------
 def leviathan(a: float, k: float) -> float:
     """Expected tokens per verify of k drafts at per-token acceptance a (Leviathan et al., eq. 1)."""
@@ -747,6 +776,11 @@ def main(argv: list[str] | None = None) -> int:
           f"{m.kv_bytes_per_token / 1024:.3g} KiB KV/token; hardware {hw.name}; dp {lay.dp} x tp {lay.tp}; "
           f"max {lay.max_seqs} seqs per engine")
     out = dict(model=asdict(m), hardware=asdict(hw), layout=asdict(lay), runs=[])
+    if hw.name in DEVICE_BYTES:     # what fits on the device: KV for max_seqs of the trace's longest sequence
+        ctx = max((pl + max(ls) for _, tr in runs for st in tr for pl, ls in st["groups"]), default=2048)
+        out["memory"] = memory_rows(m, lay.dp * lay.tp, lay.max_seqs * int(ctx), DEVICE_BYTES[hw.name])
+        print_rows(out["memory"], f"memory per rank, {lay.dp * lay.tp} ranks, KV for {lay.max_seqs} sequences of "
+                                  f"{ctx:.0f} tokens, {DEVICE_BYTES[hw.name] / 1e9:.0f} GB per device")
     for label, trace in runs:
         res = {kind: simulate(trace, hw, m, lay, kind, ref) for kind in ("ar", "spec")}
         rows = table(res, modes, lay.dp)

@@ -8,6 +8,7 @@ time (two runs would then draft differently, and a different draft length change
 row draws). In that mode two runs agree on every metric that does not measure time, so a resumed
 run must too.
 """
+import functools
 import hashlib
 import os
 import random
@@ -23,9 +24,9 @@ from nanospec.soak import RUN, untimed, write_profile    # the soak script's sho
 TORCHRUN = [str(ROOT / ".venv" / "bin" / "torchrun"), "--standalone", "--nproc_per_node=2"]
 
 
-def train(shared, out, *extra, fault=None, ok=True):
+def train(shared, out, *extra, fault=None, ok=True, sharding="none"):
     cmd = TORCHRUN + ["train.py", *RUN, f"--run.out_dir={out}", f"--sft.out_dir={shared / 'sft'}",
-                      f"--speculation.latency_profile={shared / 'profile.json'}", *extra]
+                      f"--speculation.latency_profile={shared / 'profile.json'}", f"--run.sharding={sharding}", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "NANOSPEC_FAULT": fault or ""}
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert (p.returncode == 0) == ok, f"fault={fault} rc={p.returncode}\n" + p.stdout[-3000:] + p.stderr[-3000:]
@@ -51,8 +52,10 @@ def sha(path) -> str:
 
 
 @pytest.mark.slow
-def test_kill_a_rank_anywhere_and_resume_exactly(tmp_path):
+@pytest.mark.parametrize("sharding", ["none", "fsdp"])
+def test_kill_a_rank_anywhere_and_resume_exactly(tmp_path, sharding):
     write_profile(tmp_path / "profile.json")
+    train = functools.partial(globals()["train"], sharding=sharding)
     log = train(tmp_path, tmp_path / "ref")
     ref = metrics(tmp_path / "ref")
     assert [r["step"] for r in ref] == [0, 1, 2, 3]

@@ -28,7 +28,7 @@ from nanospec.drafters.base import Drafter, DraftTarget, Proposal
 from nanospec.drafters.chain import members
 from nanospec.models.hub import resolve_model
 from nanospec.models.loader import chat_prompt_ids, load_model, resolve_dtype
-from nanospec.models.decoder import CausalLM
+from nanospec.models.decoder import CausalLM, drop_packed_weights
 from nanospec.engine.runner import Runner
 from nanospec.engine.sampler import SamplingTensors
 from nanospec.engine.scheduler import Scheduler
@@ -108,6 +108,7 @@ class LLM:
             raise RuntimeError(f"device={device!r} requested but torch.cuda.is_available() is False")
         self.model_path = None if isinstance(model, CausalLM) else str(model)
         self.model, self.tokenizer = load_target(model, tokenizer, dtype, device)
+        self._asleep = []     # level-2 sleep: (storage, bytes) of the weights it freed
         a = self.model.args
         self.vocab_size = a.vocab_size
         self.max_model_len = min(max_model_len or a.max_position_embeddings, a.max_position_embeddings)
@@ -423,16 +424,29 @@ class LLM:
         return None
 
     # ---- memory between rollouts -----------------------------------------------------------------
-    def sleep(self) -> None:
+    def sleep(self, level: int = 1) -> None:
         """Free the KV pool while the engine is idle (vLLM's sleep mode, for the cache): a trainer on the
-        same machine gets that memory for its backward. `wake_up()` before the next request."""
+        same machine gets that memory for its backward. `wake_up()` before the next request.
+        Level 2 (vLLM's too) also frees the target model's weights, for an engine with its own copy (a
+        sharded trainer's peak is then max(training state, engine weights + KV), not their sum): each
+        storage shrinks to 0 bytes, the tensors stay (so drafters' and modules' references hold), and
+        `wake_up` re-allocates them uninitialised; `load_weights` must fill them before any request."""
         if self.scheduler.has_work():
             raise RuntimeError("sleep: requests are still running; finish or abort them first")
         self.blocks.reset_prefix_cache()     # the cached prompt KV goes with the pool
         for r in self._runners():
             r.sleep()
+        if level == 2 and not self._asleep:
+            drop_packed_weights(self.model)
+            storages = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in self.model.state_dict().values()}
+            self._asleep = [(st, st.nbytes()) for st in storages.values()]
+            for st, _ in self._asleep:
+                st.resize_(0)
 
     def wake_up(self) -> None:
+        for st, nbytes in self._asleep:
+            st.resize_(nbytes)
+        self._asleep = []
         for r in self._runners():
             r.wake_up()
 

@@ -4,6 +4,11 @@
                                                       `AutoModelForCausalLM.from_pretrained` loads it
     trainer_state.pt                                  optimizer, scheduler, step (shared by all ranks)
     rank{r}.pt                                        per rank: RNG states, rollout-worker and drafter state
+    dcp/                                              run.sharding fsdp: the sharded policy and AdamW state
+                                                      (torch.distributed.checkpoint, one file per rank;
+                                                      loads at any world size: DCP reshards), in place of
+                                                      trainer_state.pt's optimizer; the HF files above are
+                                                      then a consolidated export of the same weights
     COMPLETE.json                                     manifest: size + sha256 of every file above
 
 Why atomic: a run killed mid-save must never leave a directory that looks usable. Every rank
@@ -62,8 +67,11 @@ def _sha256(path: Path) -> str:
 
 
 def save_checkpoint(run_dir, step: int, model, tokenizer, trainer_state: dict, rank_state: dict, *,
-                    rank: int = 0, world_size: int = 1, barrier=lambda: None, keep: int = 2) -> Path:
-    """Collective (every rank calls it): writes step `step`, keeps the newest `keep` checkpoints."""
+                    rank: int = 0, world_size: int = 1, barrier=lambda: None, keep: int = 2,
+                    sharded: dict | None = None) -> Path:
+    """Collective (every rank calls it): writes step `step`, keeps the newest `keep` checkpoints.
+    `model`: a whole-weight CausalLM, written by rank 0 (HF layout); `sharded`: a state dict of DTensors
+    every rank writes its shards of with DCP (dcp/)."""
     root = ckpt_root(run_dir)
     tmp, final = root / f".tmp_step_{step:06d}", root / f"step_{step:06d}"
     if rank == 0:
@@ -72,16 +80,19 @@ def save_checkpoint(run_dir, step: int, model, tokenizer, trainer_state: dict, r
     barrier()
     torch.save(rank_state, tmp / f"rank{rank}.pt")
     fault_point("save", step, rank)
+    if sharded is not None:
+        import torch.distributed.checkpoint as dcp
+        dcp.save(sharded, checkpoint_id=tmp / "dcp")
     barrier()
     if rank == 0:
         save_model(model, tmp, tokenizer)
         torch.save(trainer_state, tmp / "trainer_state.pt")
         fault_point("save", step, rank)
         files = {}
-        for p in sorted(tmp.iterdir()):
+        for p in sorted(p for p in tmp.rglob("*") if p.is_file()):
             with open(p, "rb") as f:
                 os.fsync(f.fileno())     # on disk before the manifest vouches for it (power loss)
-            files[p.name] = {"size": p.stat().st_size, "sha256": _sha256(p)}
+            files[p.relative_to(tmp).as_posix()] = {"size": p.stat().st_size, "sha256": _sha256(p)}
         manifest = {"step": step, "world_size": world_size, "files": files}
         with open(tmp / MANIFEST, "w") as f:
             json.dump(manifest, f, indent=1)
@@ -156,17 +167,30 @@ def resume_point(run_dir, log=print, quarantine: bool = True) -> Path | None:
     return None
 
 
-def load_checkpoint(path, rank: int = 0, world_size: int = 1, verified: bool = False) -> tuple[dict, dict]:
+def load_checkpoint(path, rank: int = 0, world_size: int = 1, verified: bool = False,
+                    reshard: bool = False) -> tuple[dict, dict | None]:
     """-> (trainer_state, this rank's state), verified (`verified`: `resume_point` has just hashed every
-    file, so only the manifest is read). Model weights: `loader.load_model(path)`."""
+    file, so only the manifest is read). Model weights: `loader.load_model(path)`, or `load_sharded`.
+    `reshard` (a DCP checkpoint): another world size is allowed; the rank state is then None."""
     path = Path(path)
     manifest = json.loads((path / MANIFEST).read_text()) if verified else verify_checkpoint(path)
     if manifest.get("world_size", world_size) != world_size:
+        if reshard and (path / "dcp").is_dir():
+            return torch.load(path / "trainer_state.pt", weights_only=False), None
         raise ValueError(f"{path}: written by {manifest['world_size']} ranks, resuming with {world_size}; "
                          f"per-rank state (RNG, drafters) cannot be remapped: use the same world size")
     trainer_state = torch.load(path / "trainer_state.pt", weights_only=False)
     rank_state = torch.load(path / f"rank{rank}.pt", weights_only=False)
     return trainer_state, rank_state
+
+
+def load_sharded(path, state: dict) -> None:
+    """Fill `state` (DTensors, as saved) in place from the checkpoint's dcp/ (collective)."""
+    import torch.distributed.checkpoint as dcp
+    if not (Path(path) / "dcp").is_dir():
+        raise ValueError(f"{path}: no dcp/ directory: written by a run with run.sharding none; resume "
+                         f"with the same run.sharding")
+    dcp.load(state, checkpoint_id=Path(path) / "dcp")
 
 
 def flat_dumps(obj) -> bytes:

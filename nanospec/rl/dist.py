@@ -25,13 +25,20 @@ def world_size() -> int:
     return dist.get_world_size() if is_dist() else 1
 
 
+def local_rank() -> int:
+    """This process's index on its node (torchrun's LOCAL_RANK). Node-local things key on it (the GPU,
+    the one writer per node of the model cache / conversion and the SFT model); global things on
+    `rank()` (metrics, checkpoints: those need a filesystem every node sees, as DCP does)."""
+    return int(os.environ.get("LOCAL_RANK", 0))
+
+
 def init_distributed(backend: str | None = None, timeout_s: float = 1800.0) -> tuple[int, int]:
     """Init the default group from torchrun's env (RANK, WORLD_SIZE, MASTER_ADDR/PORT) when
     WORLD_SIZE > 1 -> (rank, world_size). nccl also pins this process to GPU LOCAL_RANK."""
     if int(os.environ.get("WORLD_SIZE", 1)) > 1 and not is_dist():
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            torch.cuda.set_device(local_rank())
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     return rank(), world_size()
 

@@ -8,6 +8,7 @@ One step, on every rank (torch.distributed, gloo on CPU / nccl on GPU; world 1 w
                              pi_old, so `mismatch/*` (engine vs trainer, ~1e-6 in fp32) costs nothing
     policy_loss per micro-batch, scaled by the GLOBAL seq/token counts (loss.py contract), backward
     all_reduce(SUM) of one flat gradient buffer -> clip -> AdamW -> LR schedule
+                             (run.sharding fsdp: FSDP2 reduce-scatters in backward; rl/sharding.py)
     llm.load_weights         in-place copy into the engine's own model + drafter refresh ("weight sync")
     drafter health           self-drafter checksum; acceptance-collapse warning per drafter
     metrics.jsonl line (rank 0), checkpoint every run.save_every steps and at the end
@@ -45,7 +46,8 @@ import torch.utils.checkpoint
 from tqdm.auto import tqdm
 
 from nanospec.rl import dist
-from nanospec.rl.checkpoint import (engine_state, list_checkpoints, load_checkpoint, load_engine_state, resume_point, rng_state, save_checkpoint, set_rng_state)
+from nanospec.rl.checkpoint import (MANIFEST, engine_state, list_checkpoints, load_checkpoint, load_engine_state, load_sharded,
+                                    resume_point, rng_state, save_checkpoint, set_rng_state)
 from nanospec.config import config_to_dict, save_config, validate_world
 from nanospec.rl.dist import all_reduce_grads, hash_seed
 from nanospec.rl.faults import fault_point
@@ -58,6 +60,8 @@ from nanospec.rl.loss import (group_advantages, logprob_mismatch, policy_loss, t
                              token_logprobs)
 from nanospec.rl.report import headline, load_metrics
 from nanospec.rl.rollout import RolloutWorker, Sample
+from nanospec.rl.sharding import (clip_grad_norm_, full_weights, load_training_state, shard_policy, state_bytes,
+                                  training_state)
 from nanospec.engine.sequence import SamplingParams
 from nanospec.rl.sft import prepare_sft_model
 from nanospec.rl.live import log_scalars, tensorboard_writer
@@ -224,6 +228,9 @@ class Trainer:
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.init_path))
         dev = cfg.rollout.device
         self.policy = load_model(self.init_path, "float32", dev).train()
+        self.sharded = cfg.run.sharding == "fsdp"
+        if self.sharded:     # from here on its parameters are DTensor shards (rl/sharding.py)
+            shard_policy(self.policy, cfg.run.activation_checkpointing)
         self.device = self.policy.lm_head.weight.device
         self.ref = load_model(self.init_path, "float32", dev).requires_grad_(False) if g.beta > 0 else None
         self.pool = self.task.train(cfg.task.num_train)
@@ -233,8 +240,9 @@ class Trainer:
         max_len = longest + g.max_completion_length + 1
         r = cfg.rollout
         # fp32 rollouts share the policy's tensors (one copy of the weights; the optimizer's in-place
-        # updates are what the engine reads next step); another dtype needs the engine's own copy
-        shared = r.dtype == "float32" and not r.use_cuda_graphs and not g.max_staleness
+        # updates are what the engine reads next step); another dtype, or a sharded policy, needs the
+        # engine's own copy
+        shared = r.dtype == "float32" and not r.use_cuda_graphs and not g.max_staleness and not self.sharded
         self.llm = LLM(self.policy if shared else load_model(self.init_path, r.dtype, dev), self.tokenizer,
                        dtype=r.dtype, device=dev,
                        max_num_seqs=r.max_num_seqs, block_size=r.block_size, num_kv_blocks=r.num_kv_blocks,
@@ -260,14 +268,15 @@ class Trainer:
             self._resume()
 
     def _model_dir(self) -> Path:
-        """model.path as a directory; rank 0 converts a .gguf first (once), every rank raises its error."""
+        """model.path as a directory; one writer per node (local rank 0) converts a .gguf first (hub.py's
+        temp dir + rename: two nodes on one filesystem do not collide), every rank raises its error."""
         err = None
-        if self.rank == 0:
+        if dist.local_rank() == 0:
             try:
                 resolve_model(self.cfg.model.path, self.log)
             except Exception as e:
                 err = e
-        err = dist.all_gather_object(err)[0]
+        err = next((e for e in dist.all_gather_object(err) if e is not None), None)
         if err is not None:
             raise err
         return resolve_model(self.cfg.model.path, log=lambda *a: None)
@@ -314,6 +323,9 @@ class Trainer:
         counts = torch.tensor([len(samples), sum(float(m.sum()) for m in loss_masks)], dtype=torch.float64)
         n_seqs, n_toks = (int(x) for x in self._all_reduce(counts).tolist())
         n_toks = max(n_toks, 1)             # every response truncated and masked: a step of zero loss
+        # sharded, each forward/backward is a collective: every rank runs as many as the busiest one
+        extra = int(self._all_reduce(torch.tensor([len(mbs)]), torch.distributed.ReduceOp.MAX)) - len(mbs) \
+            if self.sharded else 0
         drop_packed_weights(self.policy)    # the engine's prepacked copies go stale with this update
         old, ref, agg, losses, norms, entropy = [], [], defaultdict(float), [], [], 0.0
         for it in range(g.num_iterations):
@@ -339,6 +351,8 @@ class Trainer:
                 for k, v in {**lst, **st}.items():   # token-weighted sums, made global at the end
                     agg[k] += v * nt
                 agg["_tokens"] += nt
+            for _ in range(extra):    # zero-weighted: adds exact zeros to the gradient
+                (completion_logprobs(self.policy, mbs[0], g.temperature)[0].sum() * 0.0).backward()
             losses.append(loss_sum)
             norms.append(self._optimizer_step())
         logps = []   # per sequence: (trainer, rollout, from_verify) -> global mismatch metrics
@@ -364,18 +378,19 @@ class Trainer:
             raise RewardError(errs[0])
         return out
 
-    def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+    def _all_reduce(self, t: torch.Tensor, op=None) -> torch.Tensor:
         if self.world > 1:
             dev = self.device if torch.distributed.get_backend() == "nccl" else "cpu"
             t = t.to(dev)
-            torch.distributed.all_reduce(t)
+            torch.distributed.all_reduce(t, op or torch.distributed.ReduceOp.SUM)
         return t.cpu()
 
     def _optimizer_step(self) -> float:
         params = list(self.policy.parameters())
-        all_reduce_grads(params)   # SUM over ranks: each rank's loss is already scaled by the global counts
+        if not self.sharded:       # (sharded: FSDP reduce-scattered them in backward, also a SUM)
+            all_reduce_grads(params)   # SUM over ranks: each rank's loss is already scaled by the global counts
         fault_point("optimizer", self.step, self.rank)
-        norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.grpo.max_grad_norm or math.inf)
+        norm = clip_grad_norm_(params, self.cfg.grpo.max_grad_norm or math.inf)
         self.opt.step()
         self.sched.step()
         return float(norm)
@@ -383,7 +398,7 @@ class Trainer:
     def sync_weights(self) -> float:
         t0 = time.perf_counter()
         with torch.no_grad():
-            self.llm.load_weights(self.policy.state_dict())
+            self.llm.load_weights(full_weights(self.policy) if self.sharded else self.policy.state_dict())
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         return time.perf_counter() - t0
@@ -417,24 +432,26 @@ class Trainer:
         ahead = None
         if self.ahead is not None and step + 1 < self.cfg.grpo.num_steps:
             ahead = self.ahead.submit(self.rollout, step + 1)
-        elif self.device.type == "cpu":    # one host RAM: the KV pool's memory serves the backward
-            self.llm.sleep()
+        elif self.device.type == "cpu" or self.cfg.rollout.sleep_level == 2:
+            self.llm.sleep(self.cfg.rollout.sleep_level)   # one host RAM: the KV pool's memory serves the backward
+            drop_packed_weights(self.llm.model)     # stale after the sync anyway (an engine with its own copy)
         t_learn = time.perf_counter()
         rec = self.learn(ro.samples)
+        rec["state_gib"] = state_bytes(self.policy, self.opt) / 2**30     # with this step's gradients
         self.opt.zero_grad(set_to_none=True)     # no gradient memory held through the next rollout
         t_learned = time.perf_counter()
         self.pending = ahead.result() if ahead is not None else None    # re-raises the thread's error
         t_joined = time.perf_counter()
+        self.llm.wake_up()     # (after level 2: weights allocated, filled by the sync)
         t_sync = self.sync_weights()
         self.version = step + 1
-        self.llm.wake_up()
         m, nxt = ro.metrics, self.pending
         overlap = max(0.0, min(nxt.end, t_learned) - max(nxt.start, t_learn)) if nxt is not None else 0.0
         m.update(staleness=step - ro.version, time_overlap=overlap, time_wait_rollout=t_joined - t_learned)
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20     # KiB on Linux -> GiB
         recs = dist.all_gather_object(dict(rec, rollout_time=ro.end - ro.start, peak_rss=rss))
         m.update(self._merge(recs), step=step, time_weight_sync=t_sync, lr=self.sched.get_last_lr()[0],
-                 rank_peak_rss_gib=[r["peak_rss"] for r in recs],
+                 rank_peak_rss_gib=[r["peak_rss"] for r in recs], rank_train_state_gib=[r["state_gib"] for r in recs],
                  rank_train_time=[r["time"] for r in recs], time_train=max(r["time"] for r in recs),
                  rank_rollout_time=[r["rollout_time"] for r in recs])
         self.drafter_health(m)
@@ -519,30 +536,58 @@ class Trainer:
 
     # ---- checkpoints ---------------------------------------------------------------------------
     def save(self) -> Path:
-        ts = {"step": self.step, "optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict(),
+        ts = {"step": self.step, "optimizer": None if self.sharded else self.opt.state_dict(),
+              "scheduler": self.sched.state_dict(),
               "eval_before": self.eval_before, "monitor": vars(self.monitor), "config": config_to_dict(self.cfg)}
         rs = {"rng": rng_state(), "worker": self.worker.state_dict(), "engine": engine_state(self.llm),
               "pending": self.pending}     # off-policy: the rollout made ahead, not yet trained on
-        return save_checkpoint(self.run_dir, self.step, self.policy, self.tokenizer, ts, rs, rank=self.rank,
-                               world_size=self.world, barrier=dist.barrier)
+        return save_checkpoint(self.run_dir, self.step, self.whole_policy() if self.sharded else self.policy,
+                               self.tokenizer, ts, rs, rank=self.rank, world_size=self.world, barrier=dist.barrier,
+                               sharded=training_state(self.policy, self.opt) if self.sharded else None)
+
+    def whole_policy(self):
+        """Sharded: a model with the policy's whole weights for the HF export (read on rank 0). The
+        engine's own copy when it is float32 (synced at the end of every step: no extra memory), else
+        one gathered on rank 0 (collective)."""
+        if self.cfg.rollout.dtype == "float32":
+            return self.llm.model
+        whole = load_model(self.init_path, "float32", "cpu") if self.rank == 0 else None
+        with torch.no_grad():
+            for name, t in full_weights(self.policy).items():
+                if whole is not None:
+                    whole.get_parameter(name).copy_(t)
+        return whole
 
     def _resume(self) -> None:
         ck = resume_point(self.run_dir, self.log, quarantine=self.rank == 0)
         if ck is None:
             self.log(f"[resume] no complete checkpoint in {self.run_dir}/checkpoints: starting at step 0")
             return
-        ts, rs = load_checkpoint(ck, self.rank, self.world, verified=True)
-        with torch.no_grad():
-            for name, t in load_model(ck, "float32", "cpu").state_dict().items():
-                self.policy.state_dict()[name].copy_(t)
-        self.opt.load_state_dict(ts["optimizer"])
+        ts, rs = load_checkpoint(ck, self.rank, self.world, verified=True, reshard=self.sharded)
+        if self.sharded:     # weights and AdamW moments from dcp/, resharded to this world size
+            load_training_state(self.policy, self.opt, lambda state: load_sharded(ck, state))
+        else:
+            with torch.no_grad():
+                for name, t in load_model(ck, "float32", "cpu").state_dict().items():
+                    self.policy.state_dict()[name].copy_(t)
+            self.opt.load_state_dict(ts["optimizer"])
         self.sched.load_state_dict(ts["scheduler"])
         self.step, self.eval_before = ts["step"], ts["eval_before"]
-        self.version, self.pending = self.step, rs.get("pending")
         vars(self.monitor).update(ts["monitor"])
-        set_rng_state(rs["rng"])
-        self.worker.load_state_dict(rs["worker"])
-        load_engine_state(self.llm, rs["engine"])
+        if rs is None:       # another world size: per-rank state has no owner here
+            if self.cfg.grpo.max_staleness:
+                raise ValueError(f"{ck}: an off-policy run (grpo.max_staleness 1) resumes only at the world "
+                                 f"size that wrote it: each rank's rollout made ahead is in its own file")
+            n = json.loads((ck / MANIFEST).read_text())["world_size"]
+            self.log(f"[resume] {ck.name} was written by {n} rank(s), this run has {self.world}: weights and "
+                     f"AdamW state resharded by DCP (exact); per-rank state rebuilt, not merged: drafter "
+                     f"caches, draft controller and length predictor start empty (rollout RNG is per step)")
+            rs = {"pending": None}
+        else:
+            set_rng_state(rs["rng"])
+            self.worker.load_state_dict(rs["worker"])
+            load_engine_state(self.llm, rs["engine"])
+        self.version, self.pending = self.step, rs.get("pending")
         self.sync_weights()
         self.log(f"[resume] {ck}: continuing at step {self.step}")
 

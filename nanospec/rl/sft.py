@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import random
 import shutil
 import time
@@ -166,16 +167,19 @@ def sft_is_current(out_dir: Path, fp: dict) -> bool:
 
 def prepare_sft_model(cfg, log=print) -> Path:
     """The SFT model directory for `cfg` (collective): reused if current, else trained by all ranks
-    (data parallel) and written by rank 0 to a temp dir renamed into place; then everyone loads it."""
+    (data parallel) and written by one rank per node (local rank 0) to a temp dir renamed into place;
+    then everyone loads it. Nodes on one filesystem: the first rename wins, the others' copies (the
+    same weights: the ranks trained together) are dropped."""
     out, tokenizer = Path(cfg.sft.out_dir), build_tokenizer()
     fp = fingerprint(cfg, tokenizer)
     status = None
-    if dist.rank() == 0:
+    if dist.local_rank() == 0:
         try:
             status = sft_is_current(out, fp)
         except ValueError as e:   # every rank must raise, not wait for rank 0 forever
             status = e
-    status = dist.all_gather_object(status)[0]
+    found = [s for s in dist.all_gather_object(status) if s is not None]
+    status = next((s for s in found if isinstance(s, Exception)), all(found))
     if isinstance(status, Exception):
         raise status
     if status:
@@ -184,12 +188,15 @@ def prepare_sft_model(cfg, log=print) -> Path:
         if out.exists():
             log(f"[sft] {out} was trained with another config: retraining")
         model = train_sft(cfg, tokenizer, log)
-        if dist.rank() == 0:
-            tmp = out.with_name(out.name + ".tmp")
+        if dist.local_rank() == 0:
+            tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
             shutil.rmtree(tmp, ignore_errors=True)
             save_model(model, tmp, tokenizer)
             (tmp / FINGERPRINT).write_text(json.dumps(fp, indent=1))
             shutil.rmtree(out, ignore_errors=True)
-            tmp.rename(out)
+            try:
+                tmp.rename(out)
+            except OSError:       # another node's writer renamed its copy into place first
+                shutil.rmtree(tmp, ignore_errors=True)
     dist.barrier()
     return out
