@@ -253,8 +253,7 @@ class Trainer:
         if self.llm.controller is not None and self.llm.controller.classes is not None:
             c = self.llm.controller.classes
             self.log(f"[policy] answer-length classes split at {', '.join(f'{t:g}' for t in c.thresholds)} "
-                     f"tokens -> draft budgets {list(c.budgets)}"
-                     + (" (cost model)" if cfg.speculation.length_class_budgets is None else ""))
+                     f"tokens -> draft budgets {list(c.budgets)}")
         # off-policy: rollouts run in a thread, their closing gathers in a process group of their own
         self.ahead = ThreadPoolExecutor(1, "rollout") if g.max_staleness else None
         self.worker = RolloutWorker(self.llm, self.tokenizer, cfg, self.rank, self.world,
