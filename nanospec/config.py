@@ -28,7 +28,9 @@ from nanospec.drafters import registry
 ARCHS = ("llama", "qwen2", "qwen3")                  # models/decoder.py
 DTYPES = ("float32", "bfloat16", "float16")          # models/loader.py
 SHARDINGS = ("none", "fsdp")                         # rl/sharding.py
-TASK_NAMES = ("synthetic", "arith", "dataset")       # tasks/__init__.py (TASKS)
+# Every task, declared once: name -> its class's import path (loaded by tasks.get_task; no torch here).
+TASKS = {"synthetic": "nanospec.tasks.synthetic:SyntheticTask", "arith": "nanospec.tasks.arith:ArithTask",
+         "dataset": "nanospec.tasks.dataset:DatasetTask"}
 LOSS_TYPES = ("grpo", "dapo")                        # rl/loss.py
 TIS_MODES = ("truncate", "mask")                     # rl/loss.py
 
@@ -84,7 +86,7 @@ class TaskConfig:
 
     def rules(self):
         ds = self.name == "dataset"
-        return [("name", self.name in TASK_NAMES, _one_of(TASK_NAMES)),
+        return [("name", self.name in TASKS, _one_of(tuple(TASKS))),
                 ("dataset", not ds or bool(self.dataset), "a file, folder or hub id for task.name dataset"),
                 ("rewards", not ds or len(self.rewards) > 0, "at least one 'module.path:function' for task.name dataset"),
                 ("reward_weights", self.reward_weights is None or len(self.reward_weights) == len(self.rewards),
