@@ -62,6 +62,35 @@ def test_latency_observe_calibrate_and_errors():
         LatencyModel().fit([])
 
 
+def test_a_cached_profile_is_reused_only_while_it_still_prices_the_machine(tmp_path, monkeypatch):
+    """A profile cached under another load (here: every time 5x the machine's) would price every later
+    drafting choice wrong: at start-up a few shapes are re-timed, and an entry off by more than 1.3x is
+    profiled again and overwritten; one that still holds is reused as it is. The clock is a fake one
+    (the TRUE coefficients), so the test is exact."""
+    from conftest import make_hf_model
+    from nanospec import LLM
+    from nanospec.engine.latency import profiled_latency
+    monkeypatch.setenv("NANOSPEC_CACHE", str(tmp_path / "cache"))
+    d, _ = make_hf_model(tmp_path / "m", vocab_size=64, max_pos=128)
+    llm = LLM(d, max_model_len=64)
+    timed = []
+    def clock(B, C, Q, drafter=None):
+        timed.append((B, C, Q))
+        return float(LatencyModel.features(B, C, Q) @ TRUE)
+    llm.time_forward = clock
+    np.testing.assert_allclose(profiled_latency(llm).coef, TRUE, rtol=1e-6)      # profiled: cached
+    (path,) = (tmp_path / "cache" / "profiles").glob("*.json")
+    grid = len(timed)
+    timed.clear()
+    np.testing.assert_allclose(profiled_latency(llm).coef, TRUE, rtol=1e-6)      # still true: reused,
+    assert 0 < len(timed) <= 9 < grid                                            # after a few probes
+    fresh = json.loads(path.read_text())["samples"]
+    path.write_text(json.dumps({"samples": [[B, C, Q, 5 * t] for B, C, Q, t in fresh]}))   # another load
+    timed.clear()
+    np.testing.assert_allclose(profiled_latency(llm).coef, TRUE, rtol=1e-6)      # profiled again
+    assert len(timed) > grid and json.loads(path.read_text())["samples"] == fresh
+
+
 def test_length_predictor_prior_history_and_state():
     p = LengthPredictor(prior=50.0, decay=0.5)
     assert p.predict("a") == 50.0

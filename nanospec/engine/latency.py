@@ -151,18 +151,34 @@ def profiled_latency(llm, drafter=None, query_lens=(1, 4, 8)) -> LatencyModel:
     shapes = profile_shapes(llm.scheduler.max_num_seqs, llm.max_model_len, llm.num_free_blocks,
                             llm.blocks.block_size, query_lens)
     path = profile_cache_path(llm.model if drafter is None else drafter.model, llm.device, shapes)
-    latency = LatencyModel()
+    latency, time_fn = LatencyModel(), lambda B, C, Q: llm.time_forward(B, C, Q, drafter=drafter)
     if path.is_file():
         try:
-            return latency.fit([tuple(r) for r in json.loads(path.read_text())["samples"]])
+            latency.fit([tuple(r) for r in json.loads(path.read_text())["samples"]])
         except (ValueError, KeyError, TypeError, json.JSONDecodeError):
-            pass                     # a damaged cache entry is simply profiled again
-    samples = latency.calibrate(lambda B, C, Q: llm.time_forward(B, C, Q, drafter=drafter), shapes, repeats=3)
+            latency = LatencyModel()    # a damaged cache entry is simply profiled again
+        if latency.coef is not None and still_holds(latency, time_fn, shapes):
+            return latency
+    samples = latency.calibrate(time_fn, shapes, repeats=3)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(json.dumps({"samples": samples}))
     os.replace(tmp, path)            # atomic: a concurrent rank reads the old file or the new one
     return latency
+
+
+def still_holds(latency: LatencyModel, time_fn, shapes, tolerance: float = 1.3) -> bool:
+    """Does a cached profile still price this machine as it is now? Times the smallest decode and the
+    largest decode and verify of the grid (median of 3) against its predictions. A profile taken under
+    another load (another job on the box, another clock) is off by a factor at every shape; trusted,
+    it would make every later drafting choice on wrong prices, so it is profiled again."""
+    decode = [s for s in shapes if s[2] == 1]
+    probe = {min(decode), max(decode), max(shapes)} if decode else {max(shapes)}
+    for B, C, Q in probe:
+        t = statistics.median(float(time_fn(B, C, Q)) for _ in range(3))
+        if not 1 / tolerance <= t / latency.predict(B, C, Q) <= tolerance:
+            return False
+    return True
 
 
 def replayed_profile(path, draft: bool = False) -> tuple[LatencyModel, LatencyModel | None, float]:
