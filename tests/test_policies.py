@@ -489,8 +489,12 @@ def test_llm_is_adaptive_by_default_and_fixed_k_on_request(tmp_path, monkeypatch
     assert [o.token_ids for o in auto.generate(prompts, sp, use_tqdm=False)] == ar
     assert auto.stats["proposed_tokens"] <= 8       # then only probes of 2 tokens
     assert len(list((tmp_path / "cache" / "profiles").glob("*.json"))) == 1
-    monkeypatch.setattr(LLM, "time_forward", lambda *a, **k: pytest.fail("profiled again despite the cache"))
+    (path,) = (tmp_path / "cache" / "profiles").glob("*.json")
+    cached, timed = LatencyModel().fit([tuple(r) for r in json.loads(path.read_text())["samples"]]), []
+    monkeypatch.setattr(LLM, "time_forward", lambda self, B, C, Q, drafter=None:     # a clock the cache
+                        timed.append((B, C, Q)) or cached.predict(B, C, Q))         # still prices
     LLM(d, max_model_len=64, speculative={"method": "ngram", "num_draft_tokens": 4})
+    assert 0 < len(timed) <= 9          # only the start-up check that the cached profile holds
     with pytest.raises(ValueError, match="controller: expected 'auto', None"):
         LLM(d, max_model_len=64, controller="on", speculative={"method": "ngram", "num_draft_tokens": 4})
     # a checkpoint keeps the controller's state; one from an earlier layout is dropped with a warning

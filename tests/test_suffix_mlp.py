@@ -9,8 +9,8 @@ from nanospec.drafters.suffix_mlp import NGramMLP, SuffixMLPDrafter
 from nanospec.engine.llm import LLM
 from nanospec.models.loader import load_model
 from nanospec.engine.sequence import SamplingParams
-from test_exactness import (FILTERED, K, TEMP1, V, check_exact, exact, repetitive_prompts,  # noqa: F401
-                            sample_with, v8)
+from test_exactness import (FILTERED, K, TEMP1, V, check_exact, exact, replay_controller,  # noqa: F401
+                            repetitive_prompts, sample_with, v8)
 
 
 def peaked_mlp(vocab_size, seed=0, scale=4.0):
@@ -51,14 +51,10 @@ def test_suffix_mlp_sampling_is_exact_under_the_policies(v8, exact):
     """Its per-token confidence (tree frequency or MLP max q, never a function of the sampled token)
     feeds the controller's per-token pricing: draft lengths then depend on the drafts'
     confidence and past acceptance, and the samples must still be exact."""
-    from nanospec.config import SpeculationConfig
-    from nanospec.engine.controller import build_controller
     drafter = SuffixMLPDrafter(peaked_mlp(V), override=0.8, min_mlp_prob=0.3, min_path_prob=0.0)
     counts = counting(drafter)
-
-    def setup(llm):
-        llm.controller = build_controller(SpeculationConfig(), llm)
-    llm, outs = sample_with(v8, {"method": "suffix", "num_draft_tokens": K}, TEMP1, drafter=drafter, setup=setup)
+    llm, outs = sample_with(v8, {"method": "suffix", "num_draft_tokens": K}, TEMP1, drafter=drafter,
+                            setup=replay_controller)
     assert "suffix_mlp" in llm.controller.acceptance.counts and counts["mlp"] > 500
     check_exact(llm, outs, exact["temp1"], "suffix_mlp/policies")
 
