@@ -140,6 +140,8 @@ class GRPOConfig:
     tis_mode: str = "truncate"          # truncate | mask
     max_staleness: int = 0              # 1: one-step off-policy, step t+1's rollouts run while t trains
     mask_truncated_completions: bool = False   # responses cut at max_completion_length leave the loss (TRL, DAPO)
+    overlong_buffer: int = 0            # DAPO's soft overlong punishment over the last N tokens (0: off)
+    overlong_penalty: float = 1.0       # the reward a response at max_completion_length loses
 
     def rules(self):
         return [*_pos(self, "num_steps", "prompts_per_step", "max_completion_length", "temperature",
@@ -157,6 +159,10 @@ class GRPOConfig:
                 ("tis_cap", self.tis_cap is None or self.tis_cap >= 1, "null (off) or a cap >= 1"),
                 ("tis_mode", self.tis_mode in TIS_MODES, _one_of(TIS_MODES)),
                 ("max_staleness", self.max_staleness in (0, 1), "0 (synchronous) or 1 (one-step off-policy)"),
+                ("overlong_buffer", is_int(self.overlong_buffer)
+                 and 0 <= self.overlong_buffer < self.max_completion_length,
+                 f"an int in [0, max_completion_length={self.max_completion_length})"),
+                ("overlong_penalty", self.overlong_penalty >= 0, ">= 0"),
                 ("tis_cap", not self.max_staleness or self.tis_cap is not None,
                  "a cap >= 1 with max_staleness 1 (rollout logprobs come from the previous policy)")]
 

@@ -83,6 +83,7 @@ def _err(overrides, match, path=DEFAULT):
     ("--grpo.loss_type=ppo", r"grpo\.loss_type: expected one of grpo, dapo"),
     ("--grpo.tis_cap=0.5", r"grpo\.tis_cap: expected null \(off\) or a cap >= 1"),
     ("--grpo.tis_mode=clip", r"grpo\.tis_mode: expected one of truncate, mask"),
+    ("--grpo.overlong_buffer=112", r"grpo\.overlong_buffer: expected an int in \[0, max_completion_length=112\), got 112"),
     ("--grpo.learning_rate=0", r"grpo\.learning_rate: expected > 0, got 0.0"),
     ("--rollout.block_size=12", r"rollout\.block_size: expected a power of 2, got 12"),
     ("--rollout.dtype=int8", r"rollout\.dtype: expected one of float32"),

@@ -4,7 +4,8 @@ import math
 import pytest
 import torch
 
-from nanospec.rl.loss import group_advantages, logprob_mismatch, policy_loss, tis_weights, token_logprobs
+from nanospec.rl.loss import (group_advantages, logprob_mismatch, overlong_penalty, policy_loss, tis_weights,
+                              token_logprobs)
 
 A = pytest.approx
 
@@ -20,6 +21,16 @@ def test_group_advantages_scaled_unscaled_zero_std():
     assert adv.tolist() == A([-1 / (3 ** 0.5 + 1e-4), -1 / (3 ** 0.5 + 1e-4), 2 / (3 ** 0.5 + 1e-4)], abs=1e-6)
     with pytest.raises(ValueError, match="group_size"):
         group_advantages(r, 3)
+
+
+def test_overlong_penalty_is_dapo_eq13():
+    # cap 128, buffer 32: no penalty up to 96 tokens, then linear to -factor at the cap (DAPO eq. 13)
+    lengths = torch.tensor([10, 96, 104, 120, 128])
+    assert overlong_penalty(lengths, 128, 32).tolist() == A([0.0, 0.0, -0.25, -0.75, -1.0])
+    assert overlong_penalty(lengths, 128, 32, factor=0.5).tolist() == A([0.0, 0.0, -0.125, -0.375, -0.5])
+    # shaped rewards -> advantages: the truncated sample of a group drops below a wrong finished one
+    shaped = torch.tensor([1.0, 0.0, 0.0, 0.0]) + overlong_penalty(torch.tensor([50, 60, 128, 70]), 128, 32)
+    assert group_advantages(shaped, 4, scale_rewards=False).tolist() == A([1.0, 0.0, -1.0, 0.0])
 
 
 def _batch(ratios, old=None):

@@ -56,8 +56,8 @@ from nanospec.engine.llm import LLM
 from nanospec.models.hub import resolve_model
 from nanospec.models.loader import load_model
 from nanospec.models.decoder import drop_packed_weights
-from nanospec.rl.loss import (group_advantages, logprob_mismatch, policy_loss, tis_weights, token_entropy,
-                             token_logprobs)
+from nanospec.rl.loss import (group_advantages, logprob_mismatch, overlong_penalty, policy_loss, tis_weights,
+                             token_entropy, token_logprobs)
 from nanospec.rl.report import headline, load_metrics
 from nanospec.rl.rollout import RolloutWorker, Sample
 from nanospec.rl.sharding import (clip_grad_norm_, full_weights, load_training_state, shard_policy, state_bytes,
@@ -199,7 +199,7 @@ class LearningGuard:
         if cut is not None:
             alarms["completions/clipped_ratio"] = cut > self.max_truncated and (
                 f"completions/clipped_ratio = {cut:.2f}: over {self.max_truncated:.0%} of responses hit "
-                f"max_completion_length at step {m['step']} (see grpo.mask_truncated_completions)")
+                f"max_completion_length at step {m['step']} (see grpo.overlong_buffer)")
         if before and "eval/reward_mean" in m and "eval/reward_mean" in before:
             a, b = m["eval/reward_mean"], before["eval/reward_mean"]
             noise = self.noise_sems * math.hypot(m.get("eval/reward_sem", 0.0), before.get("eval/reward_sem", 0.0))
@@ -308,7 +308,11 @@ class Trainer:
         g, t0 = self.cfg.grpo, time.perf_counter()
         texts = [self.text(s) for s in samples]
         rewards, correct, parts = self.score([s.problem for s in samples], texts, [s.completion_ids for s in samples])
-        adv = group_advantages(torch.tensor(rewards), g.num_generations, g.scale_rewards)
+        shaped = torch.tensor(rewards)                                                 # [N]
+        if g.overlong_buffer:   # the task's reward stays what is logged; the penalty shapes the advantage
+            shaped = shaped + overlong_penalty(torch.tensor([len(s.completion_ids) for s in samples]),
+                                               g.max_completion_length, g.overlong_buffer, g.overlong_penalty)
+        adv = group_advantages(shaped, g.num_generations, g.scale_rewards)
         # truncated = stopped by max_completion_length. Their rewards and advantages stay in their
         # groups; with mask_truncated_completions (TRL's name, DAPO's overlong filtering) their tokens
         # leave the loss, so a response cut mid-thought is neither rewarded nor punished token by token

@@ -54,6 +54,17 @@ def group_advantages(rewards: Tensor, group_size: int, scale_rewards: bool = Tru
     return adv.view(-1)
 
 
+def overlong_penalty(lengths: Tensor, max_len: int, buffer: int, factor: float = 1.0) -> Tensor:
+    """lengths [N] -> reward shaping [N], DAPO's soft overlong punishment (eq. 13; verl's overlong_buffer).
+
+    0 up to max_len - buffer tokens, then falling linearly to -factor at max_len: a response that ran
+    to the cap is punished in full, one that ended just short of it a little. Unlike masking truncated
+    responses out of the loss, it tells the policy which way is shorter.
+    """
+    over = (lengths.float() - (max_len - buffer)).clamp(min=0)                     # [N] tokens into the buffer
+    return -factor * (over / buffer).clamp(max=1.0)
+
+
 def policy_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, epsilon: float = 0.2,
                 epsilon_high: float | None = None, beta: float = 0.0, ref_logp: Tensor | None = None,
                 loss_type: str = "grpo", num_seqs_global: int | None = None,
