@@ -119,7 +119,8 @@ def test_one_grpo_step_on_two_ranks(tmp_path, smollm2):
     cmd = [str(ROOT / ".venv" / "bin" / "torchrun"), "--standalone", "--nproc_per_node=2", "train.py",
            "--config", "configs/smollm2_arith.yaml", f"--model.path={smollm2}", f"--run.out_dir={out}",
            "--grpo.num_steps=1", "--grpo.prompts_per_step=2", "--grpo.num_generations=2",
-           "--grpo.max_completion_length=24", "--task.num_test=0", "--task.num_train=8"]
+           "--grpo.max_completion_length=24", "--grpo.overlong_buffer=8", "--task.num_test=0",
+           "--task.num_train=8"]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
