@@ -211,6 +211,12 @@ class LearningGuard:
         return out
 
 
+def data_permutation(seed: int, epoch: int, n: int) -> list[int]:
+    """The order of the n training prompts in `epoch`: a pure function of (seed, epoch), so a resumed run,
+    and a peer trainer fed the same order (benchmarks/trl.py), see the same prompts at each step."""
+    return torch.randperm(n, generator=torch.Generator().manual_seed(hash_seed(seed, "data", epoch))).tolist()
+
+
 def _finite(v):
     return None if isinstance(v, float) and not math.isfinite(v) else v
 
@@ -286,9 +292,8 @@ class Trainer:
         for i in range(step * P, (step + 1) * P):
             epoch, j = divmod(i, n)
             if epoch not in self._perms:
-                g = torch.Generator().manual_seed(hash_seed(self.cfg.run.seed, "data", epoch))
                 self._perms = {e: p for e, p in self._perms.items() if e >= epoch - 1}
-                self._perms[epoch] = torch.randperm(n, generator=g).tolist()
+                self._perms[epoch] = data_permutation(self.cfg.run.seed, epoch, n)
             out.append(self.pool[self._perms[epoch][j]])
         return out
 
