@@ -29,8 +29,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def trl_python() -> Path:
-    cache = Path(os.environ.get("NANOSPEC_CACHE") or Path.home() / ".cache" / "nanospec")
-    return Path(os.environ.get("NANOSPEC_TRL") or cache / "trl") / "bin" / "python"
+    from nanospec.models.hub import cache_dir
+    return Path(os.environ.get("NANOSPEC_TRL") or cache_dir() / "trl") / "bin" / "python"
 
 
 def task_reward(cfg, per_function: dict[str, float]) -> float:
@@ -58,9 +58,9 @@ def run_trl(config: str, overrides: list[str], out: Path, threads: int) -> None:
     torch.set_num_threads(threads)
     cfg = load_config(config, overrides)
     g, task = cfg.grpo, task_from_config(cfg.task)
-    pool, P = task.train(cfg.task.num_train), g.prompts_per_step
-    order = [pool[data_permutation(cfg.run.seed, i // len(pool), len(pool))[i % len(pool)]]
-             for i in range(g.num_steps * P)]
+    pool, n = task.train(cfg.task.num_train), g.num_steps * g.prompts_per_step     # n prompts, in step order
+    perms = [data_permutation(cfg.run.seed, epoch, len(pool)) for epoch in range((n - 1) // len(pool) + 1)]
+    order = [pool[perms[i // len(pool)][i % len(pool)]] for i in range(n)]
     rows = [{"prompt": p.messages or [{"role": "user", "content": p.text}], **p.meta["columns"]} for p in order]
     funcs = [load_reward(s, "task.rewards") for s in cfg.task.rewards]
     weights = list(cfg.task.reward_weights or [1.0] * len(funcs))
@@ -69,7 +69,7 @@ def run_trl(config: str, overrides: list[str], out: Path, threads: int) -> None:
         weights.append(g.overlong_penalty)
     args = GRPOConfig(
         output_dir=str(out / "trl"), max_steps=g.num_steps, seed=cfg.run.seed, shuffle_dataset=False,
-        per_device_train_batch_size=P * g.num_generations, num_generations=g.num_generations,
+        per_device_train_batch_size=g.prompts_per_step * g.num_generations, num_generations=g.num_generations,
         gradient_accumulation_steps=g.gradient_accumulation_steps, num_iterations=g.num_iterations,
         max_completion_length=g.max_completion_length, temperature=g.temperature, top_p=g.top_p,
         top_k=max(g.top_k, 0), learning_rate=g.learning_rate, weight_decay=g.weight_decay,
@@ -111,10 +111,6 @@ def run_trl(config: str, overrides: list[str], out: Path, threads: int) -> None:
 
 
 # ---- the suite: runs in nanospec's venv -----------------------------------------------------------
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def run(args) -> list[dict]:
     ap = argparse.ArgumentParser(prog="bench.py --suite trl")
     ap.add_argument("--config", default="configs/smollm2_dataset.yaml")
@@ -156,7 +152,8 @@ def run(args) -> list[dict]:
             print(f"[trl] {name} failed (exit {p.returncode}); last lines of {out / f'{name}.log'}:\n"
                   + "\n".join((p.stdout + p.stderr).splitlines()[-15:]))
             return []
-    ours, theirs = read_jsonl(out / "nanospec" / "metrics.jsonl"), read_jsonl(out / "trl_metrics.jsonl")
+    from nanospec.rl.report import load_metrics
+    ours, theirs = load_metrics(str(out / "nanospec" / "metrics.jsonl")), load_metrics(str(out / "trl_metrics.jsonl"))
     rows = []
     for a, b in zip(ours, theirs):
         rows.append({"name": f"step {a['step']}", "nanospec rollout s": a["time_rollout"], "TRL rollout s": b["time_rollout"],
