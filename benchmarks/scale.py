@@ -83,7 +83,8 @@ def row(name, recs, params, sharding, sleep) -> dict:
 
 def run(args) -> list[dict]:
     a = parse(args.extra)
-    rows, short = [], [f"--grpo.num_steps={a.steps}", f"--grpo.max_completion_length={a.max_tokens}"]
+    rows, short = [], [f"--grpo.num_steps={a.steps}", f"--grpo.max_completion_length={a.max_tokens}",
+                       "--grpo.overlong_buffer=0"]           # the config's 32 needs 128-token completions
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         if not a.skip_smollm2:
