@@ -200,6 +200,8 @@ def test_engine_weights_sleep_and_gathered_sync(tmp_path, world_one):
     after wake-up refills them from the shards in place, and the NF4 self-drafter re-quantizes."""
     from torch.distributed.tensor import DTensor
     from test_grpo import tiny_cfg
+    from nanospec import SamplingParams
+    from nanospec.models.decoder import Linear
     from nanospec.rl.grpo import Trainer
     cfg = tiny_cfg(tmp_path, run__sharding="fsdp", rollout__sleep_level=2,
                    rollout__speculative={"method": "self_nf4", "num_draft_tokens": 4})
@@ -223,6 +225,13 @@ def test_engine_weights_sleep_and_gathered_sync(tmp_path, world_one):
     tr.train()                                  # 2 steps, the engine asleep (level 2) while each learns
     recs = [r for _, r in read_jsonl(tmp_path / "run" / "metrics.jsonl")]
     assert [r["step"] for r in recs] == [0, 1] and all(r["drafter/self_nf4/checksum_ok"] == 1.0 for r in recs)
+    # since the first level-2 sleep, a decoder layer's weight is freed once packed: one copy in the engine
+    tr.llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
+    layers = [m.weight for m in tr.llm.model.model.layers.modules() if isinstance(m, Linear)]
+    assert layers and all(w.untyped_storage().nbytes() == 0 for w in layers)
+    tr.sync_weights()                           # and a sync restores each one it writes
+    for n, p in tr.policy.named_parameters():
+        assert torch.equal(engine[n], p.full_tensor()), n
 
 
 def test_activation_checkpointing_gives_the_same_update(tmp_path, world_one, monkeypatch):

@@ -28,7 +28,7 @@ from nanospec.drafters.base import Drafter, DraftTarget, Proposal
 from nanospec.drafters.chain import members
 from nanospec.models.hub import resolve_model
 from nanospec.models.loader import chat_prompt_ids, load_model, resolve_dtype
-from nanospec.models.decoder import CausalLM, drop_packed_weights
+from nanospec.models.decoder import CausalLM, Linear, drop_packed_weights
 from nanospec.engine.runner import Runner
 from nanospec.engine.sampler import SamplingTensors
 from nanospec.engine.scheduler import Scheduler
@@ -430,7 +430,10 @@ class LLM:
         Level 2 (vLLM's too) also frees the target model's weights, for an engine with its own copy (a
         sharded trainer's peak is then max(training state, engine weights + KV), not their sum): each
         storage shrinks to 0 bytes, the tensors stay (so drafters' and modules' references hold), and
-        `wake_up` re-allocates them uninitialised; `load_weights` must fill them before any request."""
+        `wake_up` re-allocates them uninitialised; `load_weights` must fill them before any request. From
+        then on (CPU fp32) each decoder layer's weight is freed once its prepacked copy is built
+        (`decoder.Linear.keep_weight`): the engine holds one copy of its weights, not two, and
+        `load_weights` restores what it writes."""
         if self.scheduler.has_work():
             raise RuntimeError("sleep: requests are still running; finish or abort them first")
         self.blocks.reset_prefix_cache()     # the cached prompt KV goes with the pool
@@ -438,6 +441,9 @@ class LLM:
             r.sleep()
         if level == 2 and not self._asleep:
             drop_packed_weights(self.model)
+            for m in self.model.model.layers.modules():
+                if isinstance(m, Linear):
+                    m.keep_weight = False
             storages = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in self.model.state_dict().values()}
             self._asleep = [(st, st.nbytes()) for st in storages.values()]
             for st, _ in self._asleep:
@@ -486,7 +492,10 @@ class LLM:
             if params[name].shape != t.shape:
                 raise ValueError(f"load_weights: {name!r} has shape {tuple(t.shape)}, expected {tuple(params[name].shape)}")
             if params[name].data_ptr() != t.data_ptr():    # a trainer sharing our tensors has nothing to copy
-                params[name].copy_(t)
+                p = params[name]
+                if p.untyped_storage().nbytes() < p.nbytes:     # freed once packed (sleep level 2)
+                    p.untyped_storage().resize_(p.nbytes)
+                p.copy_(t)
         self.blocks.reset_prefix_cache()    # cached prompt KV was computed with the old weights
         if self.drafter is not None:
             self.drafter.refresh(self.model)

@@ -127,7 +127,11 @@ class Linear(nn.Linear):
     math, another summation order (float32 rounding apart).
     Autograd, no_grad (trainer), GPU and other dtypes use F.linear. The copy is rebuilt when the weight
     changes: (data_ptr, _version) moves on any in-place write (LLM.load_weights) or storage swap.
+    `keep_weight = False` (LLM.sleep level 2: an engine whose weights a trainer refills) frees the weight's
+    storage once packed: the packed copy is then the only one, until LLM.load_weights restores it.
     """
+    keep_weight = True
+
     def forward(self, x):
         w = self.weight
         if (not PACK or not torch.is_inference_mode_enabled() or not x.is_cpu or w.is_inference()
@@ -135,8 +139,12 @@ class Linear(nn.Linear):
             return F.linear(x, w, self.bias)
         pack = self.__dict__.get("_pack")
         key = (w.data_ptr(), w._version)
-        if pack is None or pack.key != key:
+        if pack is None or (pack.key != key and w.untyped_storage().nbytes()):
+            if not w.untyped_storage().nbytes():
+                raise RuntimeError("the engine's weights were freed (LLM.sleep(2)): LLM.load_weights refills them")
             pack = self.__dict__["_pack"] = _Packed(key, w, torch.ops.mkldnn._reorder_linear_weight(w.detach(), 64))
+            if not self.keep_weight:
+                w.untyped_storage().resize_(0)
         return torch.ops.mkldnn._linear_pointwise.default(x, pack.weight, self.bias, "none", [], "")
 
 

@@ -1,7 +1,7 @@
 """HF directory <-> CausalLM: config.json + (sharded) safetensors in, the same layout out.
 
-Files hold HF names (q_proj, k_proj, ...); the model fuses q|k|v and gate|up (decoder.py), so loading
-concatenates and saving splits (`from_hf` / `to_hf`). Errors always name the HF key.
+Files hold HF names (q_proj, k_proj, ...); the model fuses q|k|v and gate|up (decoder.py), so both go
+through `to_hf`'s split views: loading copies into them, saving writes them. Errors always name the HF key.
 
 Errors name the file and key, because a wrong checkpoint directory is the most common first bug.
 """
@@ -93,18 +93,6 @@ def to_hf(state: dict, args: ModelArgs) -> dict:
     return out
 
 
-def from_hf(state: dict, args: ModelArgs) -> dict:
-    """HF names -> ours: concatenate q|k|v and gate|up (call check_state_dict first: it names bad keys)."""
-    out = dict(state)
-    for name in [n for n in state if _fused_parts(n) is None]:
-        for fused, parts in FUSED.items():
-            pre, hit, post = name.partition(f".{parts[0]}.")
-            if hit:
-                keys = [f"{pre}.{p}.{post}" for p in parts]
-                out[f"{pre}.{fused}.{post}"] = torch.cat([out.pop(k) for k in keys], 0)
-    return out
-
-
 def check_state_dict(model: torch.nn.Module, state: dict, where: str) -> None:
     """Every parameter present (HF names) with the right shape (tied lm_head may be absent)."""
     expected = to_hf(model.state_dict(), model.args)
@@ -130,8 +118,10 @@ def load_model(path: str | Path, dtype="float32", device="cpu") -> CausalLM:
     model = model.to_empty(device=device)
     if args.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    state = from_hf({k: v for k, v in state.items() if "rotary_emb" not in k}, args)
-    model.load_state_dict(state, strict=False)
+    with torch.no_grad():     # into HF-named views of our fused tensors, one at a time: no fused copies
+        for name, view in to_hf(model.state_dict(), args).items():   # built beside the model (its peak
+            if name in state:                                        # memory is one model, not ~1.6)
+                view.copy_(state[name])
     return model.to(resolve_dtype(dtype)).eval()
 
 

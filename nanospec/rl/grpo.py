@@ -555,9 +555,12 @@ class Trainer:
 
     def whole_policy(self):
         """Sharded: a model with the policy's whole weights for the HF export (read on rank 0). The
-        engine's own copy when it is float32 (synced at the end of every step: no extra memory), else
-        one gathered on rank 0 (collective)."""
+        engine's own copy when it is float32 (synced at the end of every step: no extra memory; after a
+        level-2 sleep its layers live packed once it has run, so they are synced again), else one
+        gathered on rank 0 (collective)."""
         if self.cfg.rollout.dtype == "float32":
+            if self.cfg.rollout.sleep_level == 2:
+                self.sync_weights()
             return self.llm.model
         whole = load_model(self.init_path, "float32", "cpu") if self.rank == 0 else None
         with torch.no_grad():
