@@ -14,7 +14,8 @@
    (the prior-rollout store, the suffix trees), as they would after that many GRPO epochs. `+policies` rows
    run the trainer's draft controller (engine/controller.py's rule, the `speculation` config defaults);
    next to each row's measured speedup stand the fraction of steps that verified drafts and the mean
-   draft length verified. The draft model is the
+   draft length verified. `--fixed-k 1,2,4` adds rows '<drafter> k=K': that draft length on every
+   step, no controller, the best of which the rule should match. The draft model is the
    policy's first `--draft-layers` layers (same tokenizer; no smaller SmolLM2 is reachable here).
 3. Peak RSS of the whole run.
 Samples differ between variants (same distribution, other draws): speedup compares tokens/s, and each row
@@ -83,6 +84,11 @@ def truncated_draft(model_dir, layers: int, out: str) -> str:
     return out
 
 
+def with_k(spec, k: int):
+    """A drafter spec (one dict, or a chain's list of them) drafting `k` tokens."""
+    return [dict(s, num_draft_tokens=k) for s in spec] if isinstance(spec, list) else dict(spec, num_draft_tokens=k)
+
+
 def rollouts(model_dir, model, tok, opts, workdir) -> list[dict]:
     from nanospec.config import SpeculationConfig
     from nanospec.tasks import format_prompt, gsm8k_task, score
@@ -90,7 +96,8 @@ def rollouts(model_dir, model, tok, opts, workdir) -> list[dict]:
     prompts = [format_prompt(tok, p.prompt) for p in problems]
     draft = truncated_draft(model_dir, opts.draft_layers, f"{workdir}/draft")
     variants = [("AR", None, False)] + [(f"{n} +policies", s, True) for n, s in DRAFTERS] + \
-               [(n, s, False) for n, s in DRAFTERS if n in PLAIN]
+               [(n, s, False) for n, s in DRAFTERS if n in PLAIN] + \
+               [(f"{n} k={k}", with_k(s, k), False) for k in opts.fixed_k for n, s in DRAFTERS if n in PLAIN]
     if opts.only:                                   # AR, the baseline, always runs
         variants = [v for v in variants if v[0] == "AR" or v[0] in opts.only.split(",")]
     engines = {}
@@ -159,8 +166,11 @@ def run(args) -> list[dict]:
     ap.add_argument("--draft-layers", type=int, default=6)
     ap.add_argument("--only", default=None, help="comma-separated rollout variant names (default: all)")
     ap.add_argument("--skip-engine", action="store_true", help="only the rollout table")
+    ap.add_argument("--fixed-k", default="", help="e.g. 1,2,4: also rows '<drafter> k=K', a fixed draft length "
+                    "without the controller, to set '+policies' against the best fixed k")
     opts, _ = ap.parse_known_args(args.extra)
     opts.history = [int(x) for x in opts.history.split(",")]
+    opts.fixed_k = [int(x) for x in opts.fixed_k.split(",") if x]
     if args.quick:
         opts.history, opts.max_tokens, opts.G, opts.repeats, opts.batches, opts.reps = [0, 1], 32, 4, 1, "1,4", 1
     from transformers import AutoTokenizer
