@@ -428,7 +428,7 @@ class LLM:
         """Free the KV pool while the engine is idle (vLLM's sleep mode, for the cache): a trainer on the
         same machine gets that memory for its backward. `wake_up()` before the next request.
         Level 2 (vLLM's too) also frees the target model's weights, for an engine with its own copy (a
-        sharded trainer's peak is then max(training state, engine weights + KV), not their sum): each
+        sharded trainer then never holds the engine's weights and its gradients at once): each
         storage shrinks to 0 bytes, the tensors stay (so drafters' and modules' references hold), and
         `wake_up` re-allocates them uninitialised; `load_weights` must fill them before any request. From
         then on (CPU fp32) each decoder layer's weight is freed once its prepacked copy is built
