@@ -138,9 +138,9 @@ class Linear(nn.Linear):
                 or not w.dtype == x.dtype == torch.float32):   # (inference tensors have no _version)
             return F.linear(x, w, self.bias)
         pack = self.__dict__.get("_pack")
-        key = (w.data_ptr(), w._version)
-        if pack is None or (pack.key != key and w.untyped_storage().nbytes()):
-            if not w.untyped_storage().nbytes():
+        key, stored = (w.data_ptr(), w._version), w.untyped_storage().nbytes() > 0   # not stored: freed once packed
+        if pack is None or (stored and pack.key != key):
+            if not stored:
                 raise RuntimeError("the engine's weights were freed (LLM.sleep(2)): LLM.load_weights refills them")
             pack = self.__dict__["_pack"] = _Packed(key, w, torch.ops.mkldnn._reorder_linear_weight(w.detach(), 64))
             if not self.keep_weight:
