@@ -7,10 +7,11 @@
 2. Every drafter vs AR on GSM8K rollouts: P test prompts x G samples at T=1 (`--temperature`), as a GRPO
    step makes them.
    Each variant is a fresh engine over the one shared model; all variants make passes 0..max(history)+reps-1
-   over the same prompts with new seeds each pass, interleaved pass by pass (the order reversed every
-   other pass); a row for history h covers passes h .. h + reps - 1, its speedup the median of their
-   per-pass tokens/s ratios to AR (one pass of 8 rows is a few seconds, and this shared box drifts by
-   ~10% between passes): there the drafters have seen h (and more) earlier rollouts of these prompts
+   over the same prompts with new seeds each pass, in lock-step: every engine takes one step in turn
+   (the order reversed every other pass) and only its own steps are timed, so the box's drift falls on
+   every variant alike. A row for history h covers passes h .. h + reps - 1, its speedup the median of
+   their per-pass tokens/s ratios to AR; the row 'AR (A/A)' is a second AR engine drawing other samples,
+   the table's own noise floor. There the drafters have seen h (and more) earlier rollouts of these prompts
    (the prior-rollout store, the suffix trees), as they would after that many GRPO epochs. `+policies` rows
    run the trainer's draft controller (engine/controller.py's rule, the `speculation` config defaults);
    next to each row's measured speedup stand the fraction of steps that verified drafts and the mean
@@ -39,6 +40,7 @@ DRAFTERS = [("ngram", {"method": "ngram", "num_draft_tokens": 8}), ("suffix", SU
             ("prior+suffix", [PRIOR, SUFFIX]), ("self (nf4)", {"method": "self", "num_draft_tokens": 4}),
             ("draft model", {"method": "draft_model", "num_draft_tokens": 4})]
 PLAIN = ("ngram", "suffix", "prior+suffix")     # also measured without the controller
+AA = "AR (A/A)"                                 # a second AR engine: the noise floor of every speedup
 
 
 def engine_vs_transformers(model_dir, model, batches, max_tokens, repeats) -> list[dict]:
@@ -89,17 +91,30 @@ def with_k(spec, k: int):
     return [dict(s, num_draft_tokens=k) for s in spec] if isinstance(spec, list) else dict(spec, num_draft_tokens=k)
 
 
+def lockstep(engines: dict) -> dict[str, float]:
+    """Run every engine to completion, one step of each in turn; returns each engine's own seconds.
+    Two identical AR passes run one after the other differ by several percent on a shared VM; stepped
+    in turn, a slow stretch of the box lands on every variant alike (the A/A rows in docs/results.md)."""
+    seconds = dict.fromkeys(engines, 0.0)
+    while live := [name for name, llm in engines.items() if llm.scheduler.has_work()]:
+        for name in live:
+            t0 = time.perf_counter()
+            engines[name].step()
+            seconds[name] += time.perf_counter() - t0
+    return seconds
+
+
 def rollouts(model_dir, model, tok, opts, workdir) -> list[dict]:
     from nanospec.config import SpeculationConfig
     from nanospec.tasks import format_prompt, gsm8k_task, score
     problems = gsm8k_task().test(opts.prompts)
     prompts = [format_prompt(tok, p.prompt) for p in problems]
     draft = truncated_draft(model_dir, opts.draft_layers, f"{workdir}/draft")
-    variants = [("AR", None, False)] + [(f"{n} +policies", s, True) for n, s in DRAFTERS] + \
+    variants = [("AR", None, False), (AA, None, False)] + [(f"{n} +policies", s, True) for n, s in DRAFTERS] + \
                [(n, s, False) for n, s in DRAFTERS if n in PLAIN] + \
                [(f"{n} k={k}", with_k(s, k), False) for k in opts.fixed_k for n, s in DRAFTERS if n in PLAIN]
     if opts.only:                                   # AR, the baseline, always runs
-        variants = [v for v in variants if v[0] == "AR" or v[0] in opts.only.split(",")]
+        variants = [v for v in variants if v[0] in ("AR", AA) or v[0] in opts.only.split(",")]
     engines = {}
     for name, spec, policies in variants:
         if isinstance(spec, dict) and spec["method"] == "draft_model":
@@ -114,17 +129,21 @@ def rollouts(model_dir, model, tok, opts, workdir) -> list[dict]:
     task = gsm8k_task()                      #   -> [(response length, reward)] of every sample
     keys = list(range(len(prompts)))
     for p in range(max(timed) + opts.reps):  # pass p: the drafters have seen p earlier rollouts
-        params = SamplingParams(temperature=opts.temperature, max_tokens=opts.max_tokens, n=opts.G, seed=100 + p)
-        order = list(engines.items())
-        for name, llm in order if p % 2 == 0 else order[::-1]:   # ABC CBA ...: no variant always runs first
+        order = dict(list(engines.items())[::1 if p % 2 == 0 else -1])   # ABC CBA ...: no variant always first
+        seqs = {}
+        for name, llm in order.items():
             if llm.drafter is not None:
                 llm.drafter.next_step()
             llm.reset_stats()
             if llm.controller is not None:
                 llm.controller.reset_stats()
-            t0 = time.perf_counter()
-            outs = llm.generate(prompts, params, use_tqdm=False, prompt_keys=keys)
-            acc[name, p] = (time.perf_counter() - t0, sum(len(o.token_ids) for o in outs), llm.summary(),
+            params = SamplingParams(temperature=opts.temperature, max_tokens=opts.max_tokens, n=opts.G,
+                                    seed=(200_000 if name == AA else 100) + p)
+            seqs[name] = [s for i, q in enumerate(prompts) for s in llm.add_request(q, params, i, keys[i])]
+        seconds = lockstep(order)
+        for name, llm in order.items():
+            outs = [llm.output(s) for s in seqs[name]]
+            acc[name, p] = (seconds[name], sum(len(o.token_ids) for o in outs), llm.summary(),
                             llm.controller.stats() if llm.controller is not None else {})
             rewards = score(task, [problems[i // opts.G] for i in range(len(outs))], [o.text for o in outs])[0]
             drawn[name, p] = [(len(o.token_ids), r) for o, r in zip(outs, rewards)]
