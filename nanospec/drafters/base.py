@@ -29,7 +29,7 @@ class Proposal:
     sources: list[str] | None = None        # per sequence, the name of the drafter that proposed
     lenient_q: torch.Tensor | None = None   # [B, k_max] LOSSY SPEC-RL rule only: q(x)=p_old(x)/lenience
     # per sequence, per draft token: the drafter's estimate of P(accepted | the drafts before it were),
-    # or None (no estimate); controller.trim_drafts keeps only the drafts that pay for their verify cost
+    # or None (no estimate); controller.plan_drafts keeps only the drafts that pay for their verify cost
     confidence: list[list[float] | None] | None = None
 
     def __post_init__(self):

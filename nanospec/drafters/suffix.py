@@ -23,7 +23,7 @@ stays >= min_prob.
   continue (`cont`, the children's counts) keeps texts that end there (the sample itself, siblings
   in lockstep with it) from diluting the estimate. Each token's estimate goes out with the draft
   (`Proposal.confidence`); the policy calibrates it and verifies only the drafts that pay
-  (controller.trim_drafts), so min_prob is just a floor.
+  (controller.plan_drafts), so min_prob is just a floor.
 * Depth: matches are up to D - 1 tokens; a draft that reaches depth D (no children there: the depth
   limit, not the end of a text) goes on from its suffix of D - 1 tokens, so a draft reaches k tokens
   whatever D. Inserting costs O(D) node visits per token, in Python, on every generated token.

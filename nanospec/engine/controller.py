@@ -1,10 +1,23 @@
 """How much to draft: one decision rule, applied to every row of every engine step.
 
-A step over B rows at mean context C decodes B tokens in t_ar = t(B, C, 1) (latency.py). Drafting k_i
-tokens on row i instead yields, in expectation and in time,
+A step over B rows at mean context C decodes B tokens in t_ar = t(B, C, 1) (latency.py): w of it is
+paid once per step whatever its rows, r = (t_ar - w) / B per row. Drafting k_i tokens on row i instead
+is worth, in seconds of plain decoding saved, and costs
 
-    E(k) = B + sum_i sum_{j < k_i} P_ij,        P_ij = a_i0 * a_i1 * ... * a_ij
+    V(k) = t_ar + sum_i worth_i * sum_{j < k_i} P_ij,        P_ij = a_i0 * a_i1 * ... * a_ij
     T(k) = t_ar + c * sum_i k_i + v * [any k_i > 0] + D(k)
+    worth_i = r + w * last_i,        last_i = exp(-lead_i / sigma) / sum_j exp(-lead_j / sigma)
+
+A token saves its row's own r, and a share of w only if it brings the batch's end nearer. A rollout
+batch drains (no request waits for a slot) and ends with its last row, so that share is the chance
+that row i is the one the batch waits for. lead_i: how many tokens row i is ahead of the row furthest
+behind; sigma = max(1, sqrt(L * var)) tokens, how far the rows may still drift apart: L tokens left to
+that row (at most L more steps), var the measured variance of a row's accepted drafts per step.
+Where drafts are accepted often and alike, leads are noise and rows share w alike (t_ar / B a token
+when level); where few rows draft (a sparse drafter, as at T=1), the rows that drafted get ahead and
+their further drafts save only r: they would end early and the batch would still wait for the rest.
+With requests waiting, a finished row's slot is refilled at once: w counts as 0, every token is worth
+t_ar / B, and V / T is Leviathan et al.'s expected tokens per second.
 
 c: seconds one more verified token adds to the packed step (LatencyModel.token_cost), v: a verify's
 fixed extra, D: the drafting (a history drafter's propose(), per row; a drafter with its own model:
@@ -12,10 +25,10 @@ one forward of it per draft position, max_i k_i of them, plus the catch-up forwa
 has not seen). a_ij: P(row i's draft j is accepted | its drafts before it were), the drafter's own
 confidence where it gives one (calibrated against measured acceptance), else its source's measured
 rate at position j, raised by a bound that is wide while evidence is thin (`Acceptance`), so that a
-new or rarely seen source is tried rather than trusted. The rule: draft the k that maximises E/T, each draft counted P/s tokens
-(`trim_drafts`: Dinkelbach, greedy in P), iff its drafts yield tokens s times as fast as plain decoding:
+new or rarely seen source is tried rather than trusted. The rule: draft the k that maximises V/T
+(`plan_drafts`: Dinkelbach, greedy in worth * P), iff its drafts save s times the seconds they cost:
 
-    (E(k) - B) / (T(k) - t_ar)  >=  s * B / t_ar      (s = speculation.toggle_min_speedup, the one threshold)
+    (V(k) - t_ar) / (T(k) - t_ar)  >=  s      (s = speculation.toggle_min_speedup, the one threshold)
 
 It runs twice per step. Before drafting (`budgets`), per source, on its rates, with D: how much to ask
 each source for (0: do not run it). After drafting (`clip`), on every row's own estimates, D spent:
@@ -41,30 +54,41 @@ import itertools
 import math
 import operator
 from dataclasses import replace
+from types import SimpleNamespace
 from typing import Sequence
 
 from nanospec.config import check, is_int
 from nanospec.engine.latency import LatencyModel, profiled_latency, replayed_profile
 
 
-def trim_drafts(probs: list[list[float]], base_tokens: float, base_seconds: float, token_cost: float,
-                verify_overhead: float = 0.0, draft_seconds: float = 0.0, min_speedup: float = 1.0) -> list[int]:
+def plan_drafts(probs: list[list[float]], worth: list[float], t_ar: float, token_cost: float,
+                verify_overhead: float = 0.0, draft_seconds: float = 0.0, per_forward: float = 0.0,
+                min_speedup: float = 1.0, spent: float = 0.0) -> tuple[list[int], float]:
     """Per row, how many of its drafts to verify: the rule of the module docstring for one step.
 
-    probs[i][j]: P(row i's drafts 0..j all accepted), non-increasing in j: the expected tokens draft j
-    adds. Without drafts the step yields `base_tokens` in `base_seconds`; each verified draft costs
-    `token_cost` more, and verifying any at all `verify_overhead` + `draft_seconds` once. Each draft
-    counts p / min_speedup tokens (so that the drafts, together, must yield tokens min_speedup times
-    as fast as plain decoding does); the E / T so counted is maximised over prefixes by taking drafts
-    in decreasing p while p > token_cost * E / T (a ratio's optimum keeps exactly the items whose
-    gain / cost beats the ratio itself: Dinkelbach), then kept iff it beats verifying nothing.
+    probs[i][j]: P(row i's drafts 0..j all accepted), non-increasing in j. worth[i]: seconds of plain
+    decoding that one more token on row i saves. The plain step takes t_ar; drafts add token_cost each
+    and, once any is verified, verify_overhead + draft_seconds + per_forward x the longest (a model
+    drafter's forwards), after `spent` already committed. Each draft counts worth * p / min_speedup,
+    so that together they must save min_speedup times the seconds they cost. The value / seconds so
+    counted is maximised over prefixes by taking drafts in decreasing worth * p while their gain beats
+    token_cost x the ratio so far (a ratio's optimum keeps exactly the items whose gain / cost beats
+    the ratio itself: Dinkelbach), for each longest draft K where a draft position costs a forward;
+    kept iff it beats plain decoding. -> (k per row, value / seconds: 1.0 when nothing pays).
     """
-    E, T, keep = base_tokens, base_seconds + verify_overhead + draft_seconds, [0] * len(probs)
-    for p, i in sorted(((p / min_speedup, i) for i, row in enumerate(probs) for p in row), key=lambda x: -x[0]):
-        if p * T < token_cost * E:
-            break
-        E, T, keep[i] = E + p, T + token_cost, keep[i] + 1
-    return keep if E * base_seconds >= base_tokens * T and any(keep) else [0] * len(probs)
+    plans = []
+    for K in range(1, max(map(len, probs), default=0) + 1) if per_forward else [None]:
+        V, T, keep = t_ar, t_ar + spent + (0.0 if spent else verify_overhead) + draft_seconds, [0] * len(probs)
+        T += per_forward * (K or 0)
+        for g, i in sorted(((w * p / min_speedup, i) for i, (w, row) in enumerate(zip(worth, probs))
+                            for p in row[:K]), key=lambda x: -x[0]):
+            if g * T < token_cost * V:
+                break
+            V, T, keep[i] = V + g, T + token_cost, keep[i] + 1
+        if any(keep):
+            plans.append((V / T, keep))
+    x, keep = max(plans, default=(0.0, None), key=lambda plan: plan[0])
+    return (keep, x) if x >= 1.0 else ([0] * len(probs), 1.0)
 
 
 class Acceptance:
@@ -177,17 +201,29 @@ class DraftController:
         self._gap: dict[str, list[int]] = {}          # per source: [steps since its last probe, gap]
         self._step: dict | None = None                # this step's plan (budgets -> clip -> observe_forward)
         self._clock = 0                               # engine steps observed (the evidence's decay)
+        self._progress = [0.0, 0.0, 0.0]              # decayed: row-steps, sum and sum of squares of drafts
+                                                      # accepted (how far apart rows drift: `_begin`)
         self.reset_stats()
 
     # ---- the rule -----------------------------------------------------------------------------------
-    def _begin(self, seqs) -> dict:
-        """What every decision of this step needs, computed once."""
+    def _begin(self, seqs, draining: bool = True) -> dict:
+        """What every decision of this step needs, computed once: t_ar, c, v, and what a token on each
+        row is worth (the module docstring's worth_i; draining: no request waits for a slot)."""
         B = len(seqs)
         ctx = sum(len(s) for s in seqs) / B
         st = dict(B=B, ctx=ctx, ks={}, probing={}, observed=set())
         if self.latency is not None:
-            st.update(t_ar=self.latency.predict(B, ctx, 1), c=self.latency.token_cost(ctx),
-                      v=self.latency.verify_overhead)
+            t_ar = self.latency.predict(B, ctx, 1)
+            w = self.latency.predict(0, ctx, 1) if draining else 0.0        # t(0, C, 1): the per-step part
+            left = [s.params.max_tokens - s.num_completion_tokens for s in seqs]
+            most = max(left)
+            rows, s1, s2 = self._progress
+            var = max(0.0, s2 / rows - (s1 / rows) ** 2) if rows else 0.0
+            sigma = max(1.0, math.sqrt(most * var))       # how far the rows may drift apart, tokens
+            last = [math.exp((n - most) / sigma) for n in left]           # lead = most - n
+            r = (t_ar - w) / B
+            st.update(t_ar=t_ar, c=self.latency.token_cost(ctx), v=self.latency.verify_overhead,
+                      worth=[r + w * x / sum(last) for x in last])
         return st
 
     def _draft_cost(self, st: dict, source: str, rows: int, lag: float = 1.0) -> tuple[float, float]:
@@ -202,28 +238,18 @@ class DraftController:
         return max(0.0, self.draft_latency.predict(rows, st["ctx"], max(lag, 1.0)) - per), per
 
     def _solve(self, st: dict, probs: list[list[float]], fixed: float, per_forward: float) -> tuple[list[int], float]:
-        """`trim_drafts` with the drafting cost: `fixed` + `per_forward` x the longest kept draft (tried
-        at every length when a forward costs something) -> (k per row, predicted speedup)."""
-        best, t_ar, B = ([0] * len(probs), 0.0), st["t_ar"], st["B"]
-        longest = max(map(len, probs), default=0)
-        for K in range(1, longest + 1) if per_forward else [longest]:
-            rows = [p[:K] for p in probs]
-            keep = trim_drafts(rows, B, t_ar, st["c"], st["v"], fixed + per_forward * K, self.min_speedup)
-            if any(keep):
-                E = B + sum(sum(p[:k]) for p, k in zip(rows, keep))
-                T = t_ar + st["c"] * sum(keep) + st["v"] + fixed + per_forward * max(keep)
-                if E * t_ar / (B * T) > best[1]:
-                    best = (keep, E * t_ar / (B * T))
-        return best
+        """`plan_drafts` with the drafting cost: `fixed` + `per_forward` x the longest kept draft."""
+        return plan_drafts(probs, st["worth"], st["t_ar"], st["c"], st["v"], fixed, per_forward, self.min_speedup)
 
     def _caps(self, seqs, max_k: int) -> list[int]:
         if self.classes is None:
             return [max_k] * len(seqs)
         return [min(max_k, self.classes.budget(max(s.predicted_len, s.num_completion_tokens))) for s in seqs]
 
-    def budgets(self, seqs, max_k: int) -> list[int]:
-        """Per row, the most drafts to ask for: the max over sources of what each would be given."""
-        st = self._step = self._begin(seqs)
+    def budgets(self, seqs, max_k: int, draining: bool = True) -> list[int]:
+        """Per row, the most drafts to ask for: the max over sources of what each would be given.
+        draining: no request is waiting for a slot (`_begin`)."""
+        st = self._step = self._begin(seqs, draining)
         caps = self._caps(seqs, max_k)
         if self.latency is None or not any(caps):
             return caps
@@ -270,7 +296,8 @@ class DraftController:
         row even at acceptance 1: it would never draft, and its prefill would be pure cost."""
         if self.latency is None or not self.kv_sources:
             return True
-        seq = type("Row", (), {"__len__": lambda self: int(ctx_len)})()
+        seq = type("Row", (), {"__len__": lambda self: int(ctx_len), "num_completion_tokens": 0,
+                               "params": SimpleNamespace(max_tokens=max_k + 1)})()
         st = self._begin([seq])
         n = next(iter(self.kv_sources))
         return any(self._solve(st, [[1.0] * max_k], *self._draft_cost(st, n, 1))[0])
@@ -283,7 +310,7 @@ class DraftController:
             return proposal
         confidence = proposal.confidence or [None] * len(seqs)
         confidence = [c if s.params.temperature > 0 else None for c, s in zip(confidence, seqs)]  # greedy: argmax
-        tokens, probs, rows, fixed = list(proposal.tokens), [], [], 0
+        tokens, probs, probed = list(proposal.tokens), [[] for _ in seqs], set()
         for i, (t, n, c) in enumerate(zip(tokens, proposal.sources, confidence)):
             if not t:
                 continue
@@ -291,16 +318,15 @@ class DraftController:
             if probe and probe[0] > 0:             # a probe row: drafted to be measured, not priced
                 probe[0] -= 1
                 tokens[i] = t[:probe[1]]
-                fixed += len(tokens[i])
+                probed.add(i)
                 continue
             k = min(len(t), st["ks"].get(n, budgets)[i])
             cond = self.acceptance.calibrated(n, c[:k]) if c is not None else self.acceptance.rates(n, k)
-            probs.append(list(itertools.accumulate(cond, operator.mul)))
-            rows.append(i)
-        base = st["t_ar"] + (st["c"] * fixed + st["v"] if fixed else 0.0)
-        keep = trim_drafts(probs, st["B"], base, st["c"], 0.0 if fixed else st["v"], 0.0, self.min_speedup)
-        for i, k in zip(rows, keep):
-            tokens[i] = tokens[i][:k]
+            probs[i] = list(itertools.accumulate(cond, operator.mul))
+        fixed = sum(len(tokens[i]) for i in probed)
+        keep, _ = plan_drafts(probs, st["worth"], st["t_ar"], st["c"], st["v"], min_speedup=self.min_speedup,
+                              spent=st["c"] * fixed + st["v"] if fixed else 0.0)
+        tokens = [t if i in probed else t[:k] for i, (t, k) in enumerate(zip(tokens, keep))]
         return replace(proposal, tokens=tokens, confidence=proposal.confidence and confidence)
 
     # ---- what the engine reports back ---------------------------------------------------------------
@@ -320,6 +346,7 @@ class DraftController:
                            confidence: Sequence[float] | None = None) -> None:
         """One verify row: `proposed` drafts of `source`, the first `accepted` of them accepted."""
         self.acceptance.observe(source, proposed, accepted, confidence, self._clock)
+        self._progress[1:] = [self._progress[1] + accepted, self._progress[2] + accepted ** 2]
         if self._step is not None:
             self._step["observed"].add(source)
         drafted = self._drafted.setdefault(source, [0, 0])
@@ -329,6 +356,8 @@ class DraftController:
         """The end of a step (prefill or decode): its target forward + verify took `seconds`."""
         st, self._step = self._step or self._begin(seqs), None
         self._steps, self._clock = self._steps + 1, self._clock + 1
+        self._progress = [x * 0.99 for x in self._progress]
+        self._progress[0] += len(seqs)
         self._on_steps += bool(st["observed"])
         if self.latency is not None and not self.replay and not prefill:   # a prefill's Q is a prompt
             self.latency.observe(st["B"], st["ctx"], sum(map(len, tokens)) / st["B"], seconds)

@@ -319,7 +319,8 @@ class LLM:
         empty = Proposal([[] for _ in seqs])
         if self.drafter is None or not self.speculate:
             return empty
-        budgets = (self.controller.budgets(seqs, self.num_draft_tokens) if self.controller is not None
+        budgets = (self.controller.budgets(seqs, self.num_draft_tokens, draining=not self.scheduler.waiting)
+                   if self.controller is not None
                    else [self.num_draft_tokens] * len(seqs))
         if not any(budgets):       # the toggle's common "off" answer: skip the per-sequence work below
             return empty

@@ -234,7 +234,7 @@ def flat_loads(data: bytes):
     return Flat(io.BytesIO(root)).load()
 
 
-ENGINE_STATE_VERSION = 4      # 4: one decision rule, one acceptance tally per source
+ENGINE_STATE_VERSION = 5      # 5: drafts priced by the row the batch waits for (its spread tally)
 
 
 def engine_state(llm) -> dict:
