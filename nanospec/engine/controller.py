@@ -74,7 +74,7 @@ def plan_drafts(probs: list[list[float]], worth: list[float], t_ar: float, token
     counted is maximised over prefixes by taking drafts in decreasing worth * p while their gain beats
     token_cost x the ratio so far (a ratio's optimum keeps exactly the items whose gain / cost beats
     the ratio itself: Dinkelbach), for each longest draft K where a draft position costs a forward;
-    kept iff it beats plain decoding. -> (k per row, value / seconds: 1.0 when nothing pays).
+    kept iff it beats verifying only what is spent. -> (k per row, value / seconds of the plan).
     """
     plans = []
     for K in range(1, max(map(len, probs), default=0) + 1) if per_forward else [None]:
@@ -88,7 +88,8 @@ def plan_drafts(probs: list[list[float]], worth: list[float], t_ar: float, token
         if any(keep):
             plans.append((V / T, keep))
     x, keep = max(plans, default=(0.0, None), key=lambda plan: plan[0])
-    return (keep, x) if x >= 1.0 else ([0] * len(probs), 1.0)
+    plain = t_ar / (t_ar + spent)             # verifying only what is already committed
+    return (keep, x) if x >= plain else ([0] * len(probs), plain)
 
 
 class Acceptance:
