@@ -222,9 +222,9 @@ class DraftController:
             var = max(0.0, s2 / rows - (s1 / rows) ** 2) if rows else 0.0
             sigma = max(1.0, math.sqrt(most * var))       # how far the rows may drift apart, tokens
             last = [math.exp((n - most) / sigma) for n in left]           # lead = most - n
-            r = (t_ar - w) / B
+            r, share = (t_ar - w) / B, w / sum(last)
             st.update(t_ar=t_ar, c=self.latency.token_cost(ctx), v=self.latency.verify_overhead,
-                      worth=[r + w * x / sum(last) for x in last])
+                      worth=[r + share * x for x in last])
         return st
 
     def _draft_cost(self, st: dict, source: str, rows: int, lag: float = 1.0) -> tuple[float, float]:
