@@ -7,16 +7,17 @@
 2. Every drafter vs AR on GSM8K rollouts: P test prompts x G samples at T=1 (`--temperature`), as a GRPO
    step makes them.
    Each variant is a fresh engine over the one shared model; all variants make passes 0..max(history)+reps-1
-   over the same prompts with new seeds each pass, in lock-step: every engine takes one step in turn
-   (the order reversed every other pass) and only its own steps are timed, so the box's drift falls on
-   every variant alike. A row for history h covers passes h .. h + reps - 1, its speedup the median of
-   their per-pass tokens/s ratios to AR; the row 'AR (A/A)' is a second AR engine drawing other samples,
-   the table's own noise floor. There the drafters have seen h (and more) earlier rollouts of these prompts
-   (the prior-rollout store, the suffix trees), as they would after that many GRPO epochs. `+policies` rows
-   run the trainer's draft controller (engine/controller.py's rule, the `speculation` config defaults);
-   next to each row's measured speedup stand the fraction of steps that verified drafts and the mean
-   draft length verified. `--fixed-k 1,2,4` adds rows '<drafter> k=K': that draft length on every
-   step, no controller, the best of which the rule should match. The draft model is the
+   over the same prompts with new seeds each pass, in lock-step: every engine takes one step in turn (the
+   order reversed every other pass) and only its own steps are timed, so the box's drift falls on every
+   variant alike. A row for history h covers passes h .. h + reps - 1, its speedup the median of their
+   per-pass tokens/s ratios to AR (speedup_sd: the ratios' sd, one pass's noise), its other columns over the
+   same passes (counts summed, the controller's shares averaged); the row 'AR (A/A)' is a second AR engine
+   drawing other samples, the table's own noise floor. There the drafters have seen h (and more) earlier
+   rollouts of these prompts (the prior-rollout store, the suffix trees), as they would after that many GRPO
+   epochs. `+policies` rows run the trainer's draft controller (engine/controller.py's rule, the
+   `speculation` config defaults); next to each row's measured speedup stand the fraction of steps that
+   verified drafts and the mean draft length verified. `--fixed-k 1,2,4` adds rows '<drafter> k=K': that
+   draft length on every step, no controller, the best of which the rule should match. The draft model is the
    policy's first `--draft-layers` layers (same tokenizer; no smaller SmolLM2 is reachable here).
 3. Peak RSS of the whole run.
 Samples differ between variants (same distribution, other draws): speedup compares tokens/s, and each row
@@ -149,24 +150,28 @@ def rollouts(model_dir, model, tok, opts, workdir) -> list[dict]:
             drawn[name, p] = [(len(o.token_ids), r) for o, r in zip(outs, rewards)]
     rows = []
     rate = lambda name, p: acc[name, p][1] / acc[name, p][0]       # tokens / s of one pass
-    for h in timed:         # passes h .. h + reps - 1; the stats are those of pass h
+    for h in timed:         # passes h .. h + reps - 1: every column covers them all
         passes = range(h, h + opts.reps)
         for name, llm in engines.items():
             seconds, tokens = (sum(acc[name, p][i] for p in passes) for i in (0, 1))
-            (_, _, s, ps), spec = acc[name, h], llm.drafter is not None
+            total = lambda key: sum(acc[name, p][2][key] for p in passes)           # engine counters
+            policy = lambda key: statistics.fmean(acc[name, p][3][key] for p in passes) \
+                if key in acc[name, h][3] else None                                   # controller stats
             # median of per-pass ratios: both sides of a ratio ran minutes apart at most, so the box's
-            # drift between passes cancels (a ratio of sums would carry it)
-            speedup = statistics.median(rate(name, p) / rate("AR", p) for p in passes)
+            # drift between passes cancels (a ratio of sums would carry it); their sd: one pass's noise
+            ratios = [rate(name, p) / rate("AR", p) for p in passes]
             mine, ar = ([x for p in passes for x in drawn[n, p]] for n in (name, "AR"))
             rows.append(dict(name=f"h{h}: {name}", history=h, tokens=tokens, seconds=seconds,
-                             tokens_per_s=tokens / seconds, speedup=speedup,
-                             target_forwards_per_token=s["target_forwards_per_token"],
-                             acceptance_rate=s["acceptance_rate"] if spec else None,
-                             draft_len=ps.get("draft_len_mean"),
-                             spec_on_frac=ps.get("spec_on_frac"), len_mean=statistics.fmean(n for n, _ in mine),
+                             tokens_per_s=tokens / seconds, speedup=statistics.median(ratios),
+                             speedup_sd=statistics.stdev(ratios) if len(ratios) > 1 else None,
+                             target_forwards_per_token=total("seq_forwards") / max(total("generated_tokens"), 1),
+                             acceptance_rate=total("accepted_tokens") / max(total("proposed_tokens"), 1)
+                             if llm.drafter is not None else None,
+                             draft_len=policy("draft_len_mean"),
+                             spec_on_frac=policy("spec_on_frac"), len_mean=statistics.fmean(n for n, _ in mine),
                              reward_mean=statistics.fmean(r for _, r in mine),
                              len_ks_p=float(ks_2samp([n for n, _ in mine], [n for n, _ in ar]).pvalue),
-                             lossy=s["lossy"]))
+                             lossy=acc[name, h][2]["lossy"]))
     return rows
 
 
