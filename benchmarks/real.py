@@ -5,7 +5,9 @@
 1. Engine vs `transformers.generate`: greedy, EOS ignored, batch 1 / 16 / 64, median of --repeats
    interleaved runs (the `engine` suite's method, on the real model).
 2. Every drafter vs AR on GSM8K rollouts: P test prompts x G samples at T=1 (`--temperature`), as a GRPO
-   step makes them.
+   step makes them. `--task arith --prompts 2 --temperature 0.7 --fresh-prompts --ignore-eos`: one rank's
+   share of a `make smollm2` step (new prompts every pass), every sample 128 tokens: the same work in every
+   engine, so tokens/s compares the engines alone.
    Each variant is a fresh engine over the one shared model; all variants make passes 0..max(history)+reps-1
    over the same prompts with new seeds each pass, in lock-step: every engine takes one step in turn (the
    order reversed every other pass) and only its own steps are timed, so the box's drift falls on every
@@ -107,9 +109,14 @@ def lockstep(engines: dict) -> dict[str, float]:
 
 def rollouts(model_dir, model, tok, opts, workdir) -> list[dict]:
     from nanospec.config import SpeculationConfig
-    from nanospec.tasks import format_prompt, gsm8k_task, score
-    problems = gsm8k_task().test(opts.prompts)
-    prompts = [format_prompt(tok, p.prompt) for p in problems]
+    from nanospec.tasks import format_prompt, get_task, gsm8k_task, score
+    task = get_task("arith") if opts.task == "arith" else gsm8k_task()
+    timed = sorted(opts.history)
+    passes = max(timed) + opts.reps
+    # the same prompts every pass (drafters see earlier rollouts of them: GRPO epochs), or, as within
+    # one epoch of GRPO, new prompts every pass
+    pool = task.test(opts.prompts * (passes if opts.fresh_prompts else 1))
+    batch = lambda p: pool[p * opts.prompts:(p + 1) * opts.prompts] if opts.fresh_prompts else pool
     draft = truncated_draft(model_dir, opts.draft_layers, f"{workdir}/draft")
     variants = [("AR", None, False), (AA, None, False)] + [(f"{n} +policies", s, True) for n, s in DRAFTERS] + \
                [(n, s, False) for n, s in DRAFTERS if n in PLAIN] + \
@@ -122,14 +129,14 @@ def rollouts(model_dir, model, tok, opts, workdir) -> list[dict]:
             spec = dict(spec, model=draft)
         controller = SpeculationConfig(bubble_drafting=False, length_aware_assignment=False,
                                        length_classes=[]) if policies else None
-        llm = LLM(model, tok, max_num_seqs=len(prompts) * opts.G, speculative=spec, kv_cache_gib=0.25,
+        llm = LLM(model, tok, max_num_seqs=opts.prompts * opts.G, speculative=spec, kv_cache_gib=0.25,
                   controller=controller)
         engines[name] = llm
-    timed = sorted(opts.history)
     acc, drawn = {}, {}                      # (name, pass) -> seconds, tokens, summary, policy stats;
-    task = gsm8k_task()                      #   -> [(response length, reward)] of every sample
-    keys = list(range(len(prompts)))
-    for p in range(max(timed) + opts.reps):  # pass p: the drafters have seen p earlier rollouts
+    for p in range(passes):                  #   -> [(response length, reward)] of every sample
+        problems = batch(p)                  # pass p: the drafters have seen p earlier rollouts
+        prompts = [format_prompt(tok, q.prompt) for q in problems]
+        keys = [(p, i) if opts.fresh_prompts else i for i in range(len(prompts))]
         order = dict(list(engines.items())[::1 if p % 2 == 0 else -1])   # ABC CBA ...: no variant always first
         seqs = {}
         for name, llm in order.items():
@@ -139,7 +146,7 @@ def rollouts(model_dir, model, tok, opts, workdir) -> list[dict]:
             if llm.controller is not None:
                 llm.controller.reset_stats()
             params = SamplingParams(temperature=opts.temperature, max_tokens=opts.max_tokens, n=opts.G,
-                                    seed=(200_000 if name == AA else 100) + p)
+                                    seed=(200_000 if name == AA else 100) + p, ignore_eos=opts.ignore_eos)
             seqs[name] = [s for i, q in enumerate(prompts) for s in llm.add_request(q, params, i, keys[i])]
         seconds = lockstep(order)
         for name, llm in order.items():
@@ -179,6 +186,10 @@ def run(args) -> list[dict]:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct (fetched once)")
     ap.add_argument("--prompts", type=int, default=1)
+    ap.add_argument("--task", default="gsm8k", choices=["gsm8k", "arith"], help="arith: make smollm2's task")
+    ap.add_argument("--fresh-prompts", action="store_true", help="new prompts every pass (default: the same)")
+    ap.add_argument("--ignore-eos", action="store_true", help="every sample runs to --max-tokens: the same "
+                    "work in every engine (with EOS a pass's tokens/s also depends on the lengths it drew)")
     ap.add_argument("--G", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=1.0, help="rollout temperature (GRPO samples at 1.0)")
