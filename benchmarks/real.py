@@ -112,10 +112,10 @@ def rollouts(model_dir, model, tok, opts, workdir) -> list[dict]:
     from nanospec.tasks import format_prompt, get_task, gsm8k_task, score
     task = get_task("arith") if opts.task == "arith" else gsm8k_task()
     timed = sorted(opts.history)
-    passes = max(timed) + opts.reps
+    num_passes = max(timed) + opts.reps
     # the same prompts every pass (drafters see earlier rollouts of them: GRPO epochs), or, as within
     # one epoch of GRPO, new prompts every pass
-    pool = task.test(opts.prompts * (passes if opts.fresh_prompts else 1))
+    pool = task.test(opts.prompts * (num_passes if opts.fresh_prompts else 1))
     batch = lambda p: pool[p * opts.prompts:(p + 1) * opts.prompts] if opts.fresh_prompts else pool
     draft = truncated_draft(model_dir, opts.draft_layers, f"{workdir}/draft")
     variants = [("AR", None, False), (AA, None, False)] + [(f"{n} +policies", s, True) for n, s in DRAFTERS] + \
@@ -133,7 +133,7 @@ def rollouts(model_dir, model, tok, opts, workdir) -> list[dict]:
                   controller=controller)
         engines[name] = llm
     acc, drawn = {}, {}                      # (name, pass) -> seconds, tokens, summary, policy stats;
-    for p in range(passes):                  #   -> [(response length, reward)] of every sample
+    for p in range(num_passes):              #   -> [(response length, reward)] of every sample
         problems = batch(p)                  # pass p: the drafters have seen p earlier rollouts
         prompts = [format_prompt(tok, q.prompt) for q in problems]
         keys = [(p, i) if opts.fresh_prompts else i for i in range(len(prompts))]
