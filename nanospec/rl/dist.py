@@ -37,9 +37,11 @@ def init_distributed(backend: str | None = None, timeout_s: float = 1800.0) -> t
     WORLD_SIZE > 1 -> (rank, world_size). nccl also pins this process to GPU LOCAL_RANK."""
     if int(os.environ.get("WORLD_SIZE", 1)) > 1 and not is_dist():
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-        if backend == "nccl":
-            torch.cuda.set_device(local_rank())
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        device = None
+        if backend == "nccl":     # bound to its GPU: collectives and barrier() need not guess the device
+            device = torch.device("cuda", local_rank())
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), device_id=device)
     return rank(), world_size()
 
 

@@ -41,7 +41,8 @@ def shard_policy(model: torch.nn.Module, activation_checkpointing: bool = False)
     dev = next(model.parameters()).device
     if not dist.is_dist():    # world 1 without torchrun: FSDP still wants a process group
         torch.distributed.init_process_group("nccl" if dev.type == "cuda" else "gloo", rank=0, world_size=1,
-                                             store=torch.distributed.HashStore())
+                                             store=torch.distributed.HashStore(),
+                                             device_id=dev if dev.type == "cuda" else None)
     mesh = init_device_mesh(dev.type, (dist.world_size(),))
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if dev.type == "cuda"
           else MixedPrecisionPolicy())
