@@ -116,11 +116,14 @@ def test_llm_emulated_graphs_match_ar_and_speculative():
 def test_sleep_drops_graphs_captured_against_the_freed_cache():
     llm, prompts = emulated_llm(tiny(seed=5)), repetitive_prompts(3)
     before = greedy(llm, prompts)
-    assert llm.runner.graphs
+    captured = set(llm.runner.graphs)
+    assert captured
     llm.sleep()
     assert llm.runner.cache is None and not llm.runner.graphs
-    llm.wake_up()
-    assert greedy(llm, prompts) == before and llm.runner.graphs     # recaptured on the new cache
+    llm.wake_up()                       # recaptured on the new cache now, not inside the next steps
+    assert set(llm.runner.graphs) == captured
+    n = llm.runner.num_captures
+    assert greedy(llm, prompts) == before and llm.runner.num_captures == n
 
 
 def test_load_weights_in_place_keeps_graphs():
@@ -181,9 +184,8 @@ def test_cuda_spec_with_graphs_equals_ar_and_no_recapture_after_load_weights():
     ar = greedy(cuda_llm(model, "float32", False), prompts, 32)
     llm = cuda_llm(model, "float32", True, controller=None, speculative={"method": "ngram", "num_draft_tokens": 4},
                    prefix_caching=False)     # see test_load_weights_in_place_keeps_graphs
-    r = llm.runner
-    r.capture(range(1, 6))                      # decode + every verify width (k <= 4), all buckets
-    assert r.num_captures == 4 * 5
+    r = llm.runner                              # decode + every verify width (k <= 4), all buckets,
+    assert r.num_captures == 4 * 5              # captured by LLM before any step
     assert greedy(llm, prompts, 32) == ar and llm.stats["accepted_tokens"] > 0
     captures, ptrs = r.num_captures, [p.data_ptr() for p in llm.model.parameters()]
     llm.load_weights(tiny(seed=10).state_dict())

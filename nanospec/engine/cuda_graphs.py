@@ -12,11 +12,13 @@ How:
   position 0, written to the null block and reading only null-block keys (decoder.PagedKV), so padding
   never touches a real sequence's KV.
 * One graph per (bucket, Q), Q = new tokens per sequence: 1 for decode, k+1 for a verify with k drafts
-  (ragged rows pad to Q like Runner). Capture is lazy: the first step with a given Q <= max_q captures
-  that Q for every bucket, largest first, into one shared memory pool (smaller graphs reuse the
-  largest one's scratch; replays never overlap). `capture(qs)` does it eagerly. Graphs are never
-  recaptured: weights change by in-place copy (LLM.load_weights), the KV cache is one fixed tensor,
-  and every input goes through the static buffers below.
+  (ragged rows pad to Q like Runner). `capture(qs)` captures each Q for every bucket, largest first,
+  into one shared memory pool (smaller graphs reuse the largest one's scratch; replays never
+  overlap). LLM captures every Q <= max_q at start-up, as vLLM does: a capture inside a step stalls it
+  (a forward per bucket, and the capture itself) and the controller's latency model would learn that
+  stall as the price of a verify. A Q not captured yet is captured at its first step. Weights change by
+  in-place copy (LLM.load_weights) and every input goes through the static buffers below, so graphs
+  are only recaptured when the KV cache is re-allocated (`sleep` / `wake_up`, before the next step).
 * Static inputs, per Q: one int64 tensor [bmax, 3Q + nb] = token ids | positions | slot mapping |
   block table, filled by one host->device copy per step. Key slots [b, C] are computed inside the
   graph from the block table, C = nb * block_size = max_model_len rounded up to the block size. The
@@ -93,14 +95,21 @@ class GraphRunner(Runner):
         self.bufs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # Q -> (inputs [bmax, 3Q+nb], out)
         self.graphs: dict[tuple[int, int], tuple] = {}     # (bucket, Q) -> (CUDAGraph | None if emulated, closure)
         self.pool = None
+        self._asleep_qs: list[int] = []                   # the Qs captured before sleep, for wake_up
         self.num_captures = 0
         self.num_replays = 0
         self.num_eager = 0
 
     def sleep(self) -> None:
         super().sleep()
-        self.graphs.clear()      # captured against the freed cache: recaptured after wake_up
+        self._asleep_qs = sorted(self.bufs)
+        self.graphs.clear()      # captured against the freed cache: recaptured by wake_up
         self.bufs.clear()
+
+    def wake_up(self) -> None:
+        super().wake_up()
+        self.capture(self._asleep_qs)        # the same widths as before, on the new cache
+        self._asleep_qs = []
 
     def bucket_for(self, batch: int) -> int | None:
         """Smallest bucket >= batch, or None if the batch is larger than every bucket."""

@@ -127,9 +127,10 @@ class LLM:
         # the most drafts a sequence gets per step (the controller chooses below it)
         self.num_draft_tokens = max((s.get("num_draft_tokens", registry.DEFAULT_DRAFT_TOKENS) for s in specs), default=0)
         if use_cuda_graphs:   # GPU: decode/verify steps replay captured graphs (cuda_graphs.py), all of
-            from nanospec.engine.cuda_graphs import GraphRunner   # them: Q = 1 + drafts (capture is lazy per Q)
+            from nanospec.engine.cuda_graphs import GraphRunner   # them: Q = 1 + drafts, every Q captured now
             self.runner = GraphRunner(self.model, num_kv_blocks, block_size, max_num_seqs, self.max_model_len,
                                       max_q=1 + self.num_draft_tokens)
+            self.runner.capture(range(1, self.runner.max_q + 1))
         else:
             self.runner = Runner(self.model, num_kv_blocks, block_size)
         self.device = self.runner.device
