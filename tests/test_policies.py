@@ -332,6 +332,24 @@ def test_the_rule_drafts_where_it_pays_and_nowhere_else():
         DraftController(probe_every=0)
 
 
+def test_one_stalled_propose_does_not_price_a_drafter_off_for_good():
+    """A drafter priced off is not timed again, so its time per row must shrug off one stall: one
+    stalled propose() (a full GC pass: a quarter second, docs/results.md) once turned an exponential
+    average into ~0.01 s per row and switched a history drafter off for the rest of the run. The
+    median of the last 9 calls ignores it; a drafter that really got slow is still priced off."""
+    ctrl = DraftController(LatencyModel(coef=[1e-3, 0, 1e-6, 0, 0, 0]), sources=["d"])    # timed, no replay
+    for _ in range(64):
+        ctrl.observe_acceptance("d", 4, 4)
+    rows = [Row() for _ in range(16)]
+    for _ in range(8):
+        ctrl.observe_draft_time(16 * 2e-5, 16)                            # 20 us per row
+    ctrl.observe_draft_time(0.24, 16)                                       # one stall
+    assert ctrl.draft_time == pytest.approx(2e-5) and ctrl.budgets(rows, 4) == [4] * 16
+    for _ in range(5):                                                       # slow for good: 15 ms per row
+        ctrl.observe_draft_time(0.24, 16)
+    assert ctrl.draft_time == pytest.approx(0.015) and ctrl.budgets(rows, 4) == [0] * 16
+
+
 def test_each_source_is_priced_on_its_own_and_off_sources_are_probed_with_a_doubling_gap():
     """A good and an always-wrong source in one batch: the good one's drafts stay, the bad one's rows
     are cut to 0 but on probe steps (`probe_rows` rows, 2 tokens), spaced 2, 4, 8, 8 steps apart; a

@@ -53,6 +53,8 @@ import bisect
 import itertools
 import math
 import operator
+import statistics
+from collections import deque
 from dataclasses import replace
 from types import SimpleNamespace
 from typing import Sequence
@@ -194,7 +196,8 @@ class DraftController:
         self.sources = list(sources)                  # the drafter's source names; more are learned
         self.confident, self.kv_sources = set(confident_sources), set(kv_sources)
         self.draft_latency = draft_latency            # one forward of a model drafter, if any
-        self.draft_time = draft_time                  # EMA seconds of a history drafter's propose() per row
+        self.draft_time = draft_time                  # seconds of a history drafter's propose() per row:
+        self._draft_times: deque = deque(maxlen=9)    # the median of the last 9 (`observe_draft_time`)
         self.replay = replay
         self.acceptance = Acceptance(prior)
         self.probe_every, self.probe_every_max, self.probe_rows = probe_every, probe_every_max, probe_rows
@@ -333,15 +336,16 @@ class DraftController:
     # ---- what the engine reports back ---------------------------------------------------------------
     def observe_draft_time(self, seconds: float, num_seqs: int, ctx_len: float = 0.0, forwards: int = 0) -> None:
         """One propose() over `num_seqs` rows; a model drafter's is `forwards` forwards of its model.
-        In replay nothing is learned from the clock."""
+        In replay nothing is learned from the clock. A median, not a mean: a drafter priced off is not
+        timed again, so one stalled propose() (a full GC pass, a page fault) must not outweigh the rest."""
         if self.replay:
             return
         if forwards:
             if self.draft_latency is not None:
                 self.draft_latency.observe(num_seqs, ctx_len, 1, seconds / forwards)
             return
-        per = seconds / max(num_seqs, 1)
-        self.draft_time = per if self.draft_time is None else 0.8 * self.draft_time + 0.2 * per
+        self._draft_times.append(seconds / max(num_seqs, 1))
+        self.draft_time = statistics.median(self._draft_times)
 
     def observe_acceptance(self, source: str, proposed: int, accepted: int,
                            confidence: Sequence[float] | None = None) -> None:

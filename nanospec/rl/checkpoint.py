@@ -234,7 +234,7 @@ def flat_loads(data: bytes):
     return Flat(io.BytesIO(root)).load()
 
 
-ENGINE_STATE_VERSION = 5      # 5: drafts priced by the row the batch waits for (its spread tally)
+ENGINE_STATE_VERSION = 6      # 6: a history drafter's time is a median of recent propose() calls
 
 
 def engine_state(llm) -> dict:
