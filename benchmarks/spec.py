@@ -96,6 +96,7 @@ def run(args) -> list[dict]:
     ap.add_argument("--draft", default="runs/draft", help="draft model directory for the draft-model row")
     ap.add_argument("--mlp", default="runs/ngram_mlp", help="n-gram MLP directory for the suffix+mlp rows")
     ap.add_argument("--reps", type=int, default=3, help="timed passes after the history pass")
+    ap.add_argument("--device", default="cpu", help="cuda: every engine on the GPU with CUDA graphs")
     opts, _ = ap.parse_known_args(args.extra)
     variants = [(*v, 1.0) for v in VARIANTS]
     num_prompts = 4 if args.quick else opts.prompts
@@ -133,8 +134,8 @@ def run(args) -> list[dict]:
             bubble_drafting=False, length_aware_assignment=False, length_classes=[], **policies)
         try:
             llm = LLM(model_dir, tokenizer=tok, max_num_seqs=num_prompts * opts.G, speculative=spec,
-                      controller=controller)
-        except ValueError as e:   # a drafter this model cannot run: say so, measure the rest
+                      controller=controller, device=opts.device, use_cuda_graphs=opts.device.startswith("cuda"))
+        except (ValueError, ImportError) as e:   # a drafter this model or box cannot run: say so, measure the rest
             print(f"spec suite: {name} skipped: {e}")
             continue
         llm.generate(prompts, sp(1, T), use_tqdm=False, prompt_keys=keys)       # history pass
