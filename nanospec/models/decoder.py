@@ -115,6 +115,7 @@ class StepKV:
     C: int                               # key positions per sequence
     Q: int                               # query positions per sequence (the padded width)
     token_index: torch.Tensor | None     # [N] flat b * Q + i of the real tokens (None: all B * Q)
+    groups: list | None = None           # small-Q CPU path: (rows | None for all, width, key slots, bias)
 
 
 class Linear(nn.Linear):
@@ -260,14 +261,24 @@ class Attention(nn.Module):
             return self.o_proj(out.reshape(N, Hq * hd))
         C, cache = paged.C, paged.caches[self.layer]                         # [2 Hkv, S, hd]: k heads, v heads
         cache.index_copy_(1, paged.slots, qkv[:, G:].reshape(N, 2 * Hkv, hd).transpose(0, 1))
-        kvs = cache.index_select(1, paged.key_slots).view(2, Hkv, B, C, hd)   # one gather, K and V
-        if mask.dtype != torch.bool:    # fused small-Q path: batch (kv head, seq), rows (group, query)
-            qb = q.view(B, Q, Hkv, G, hd).permute(2, 0, 3, 1, 4).reshape(Hkv * B, G * Q, hd)
-            keys, vals = kvs[0].view(Hkv * B, C, hd), kvs[1].view(Hkv * B, C, hd)
-            scores = torch.baddbmm(mask, qb, keys.transpose(1, 2), alpha=hd ** -0.5)   # [Hkv B, G Q, C]
-            out = torch.bmm(scores.softmax(-1), vals)                                 # [Hkv B, G Q, hd]
-            out = out.view(Hkv, B, G, Q, hd).permute(1, 3, 0, 2, 4)                   # [B, Q, Hkv, G, hd]
+        if paged.groups is not None:    # fused small-Q path: batch (kv head, seq), rows (group, query)
+            qv, out = q.view(B, Q, Hkv, G, hd), None
+            for rows, w, key_slots, bias in paged.groups:     # each row once, at its group's query width
+                b = B if rows is None else len(rows)
+                kvs = cache.index_select(1, key_slots).view(2, Hkv, b, C, hd)   # one gather, K and V
+                qg = qv[:, :w] if rows is None else qv[rows, :w]                  # [b, w, Hkv, G, hd]
+                qb = qg.permute(2, 0, 3, 1, 4).reshape(Hkv * b, G * w, hd)
+                keys, vals = kvs[0].view(Hkv * b, C, hd), kvs[1].view(Hkv * b, C, hd)
+                scores = torch.baddbmm(bias, qb, keys.transpose(1, 2), alpha=hd ** -0.5)   # [Hkv b, G w, C]
+                og = torch.bmm(scores.softmax(-1), vals)                                  # [Hkv b, G w, hd]
+                og = og.view(Hkv, b, G, w, hd).permute(1, 3, 0, 2, 4)                     # [b, w, Hkv, G, hd]
+                if rows is None:
+                    out = og
+                else:
+                    out = qv.new_zeros(qv.shape) if out is None else out
+                    out[rows, :w] = og
         else:
+            kvs = cache.index_select(1, paged.key_slots).view(2, Hkv, B, C, hd)   # one gather, K and V
             keys, vals = kvs[0].transpose(0, 1), kvs[1].transpose(0, 1)              # [B, Hkv, C, hd]
             out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, vals, attn_mask=mask,
                                                  enable_gqa=True).transpose(1, 2)
@@ -333,21 +344,40 @@ class CausalLM(nn.Module):
         mask = paged = None
         if kv is not None:
             C = kv.key_slots.shape[1]
-            small = Q <= SMALL_Q and x.device.type == "cpu"
-            mask = attention_mask(positions, C, (a.num_kv_heads, a.num_heads // a.num_kv_heads) if small else None,
-                                  x.dtype)
             caches = kv.cache.permute(0, 1, 3, 2, 4)                             # [L, 2, Hkv, S, hd]
             if not caches.is_contiguous():   # flatten would copy and the layers' writes would be lost
                 raise ValueError("PagedKV.cache must be laid out by CausalLM.new_kv_cache (head-major storage)")
             slots = kv.slot_mapping.flatten()
             slots = slots if index is None else slots.index_select(0, index)
             paged = StepKV(caches.flatten(1, 2), slots, kv.key_slots.flatten(), C, Q, index)
+            if Q <= SMALL_Q and x.device.type == "cpu":
+                paged.groups = self.query_groups(positions, kv.key_slots, index, x.dtype)
+            else:
+                mask = attention_mask(positions, C, None)
         for layer in self.model.layers:
             x = layer(x, B, rotary, mask, paged)
         x = self.model.norm(x)
         if index is not None:
             x = x.new_zeros(B * Q, x.shape[-1]).index_copy_(0, index, x)
         return x.view(B, Q, -1)
+
+    def query_groups(self, positions, key_slots, index, dtype) -> list:
+        """The small-Q attention's row groups: (rows, query width, their key slots, their bias). A ragged
+        verify (a few rows with drafts) would pad every row's queries to the widest: on CPU attention
+        costs B * Q * C, so rows with one new token attend alone at width 1 and only the others at Q."""
+        a = self.args
+        B, Q = positions.shape
+        fused = (a.num_kv_heads, a.num_heads // a.num_kv_heads)
+        C = key_slots.shape[1]
+        if index is None or Q == 1:
+            return [(None, Q, key_slots.flatten(), attention_mask(positions, C, fused, dtype))]
+        lens = torch.bincount(torch.div(index, Q, rounding_mode="floor"), minlength=B)      # [B] real tokens
+        groups = []
+        for rows, w in ((torch.nonzero(lens == 1).flatten(), 1), (torch.nonzero(lens > 1).flatten(), Q)):
+            if len(rows):
+                bias = attention_mask(positions[rows, :w], C, fused, dtype)
+                groups.append((rows, w, key_slots[rows].flatten(), bias))
+        return groups
 
     def rotary(self, positions, width: int):
         """cos, sin' [N, G + 2, 1, hd] for the fused qkv row (chunks: G of q heads, k, v: cos 1, sin 0),
