@@ -180,6 +180,28 @@ def _mixed_requests(n=12, max_tokens=20):
             for i, p in enumerate(prompts)]
 
 
+def test_a_rolled_back_draft_block_goes_back_to_its_sequence():
+    """Drafts take a block ahead (`ensure`) that a rejection frees again (`truncate`). The row's next
+    `ensure` takes that same block back, so its KV stays where it would have been without drafts;
+    without this the freed block went to another row and every row's KV spread over the pool. A block
+    someone else took meanwhile is left alone."""
+    from nanospec.engine.block_manager import BlockManager
+    bm = BlockManager(16, 4)
+    a, b = Sequence([1, 2, 3], GREEDY), Sequence([4, 5, 6], GREEDY)
+    assert bm.allocate_prefill(a, 3) and bm.allocate_prefill(b, 3)
+    assert bm.ensure(a, 3 + 4)                       # 4 drafts past the first block
+    ahead = a.block_table[1]
+    bm.truncate(a, 4)                                # all rejected: 4 tokens fit the first block
+    assert a.block_table == [a.block_table[0]] and ahead in bm.free_blocks
+    assert bm.ensure(b, 3 + 4) and b.block_table[1] != ahead     # b takes the oldest free block
+    assert bm.ensure(a, 5) and a.block_table[1] == ahead          # a grows into its own block again
+    bm.truncate(a, 4)
+    c = Sequence([7], GREEDY)
+    c.block_table.append(bm._take(ahead))                         # meanwhile another row took it
+    assert bm.ensure(a, 5) and a.block_table[1] != ahead
+    assert all(bm.ref_count[x] == 1 for x in a.block_table + b.block_table + c.block_table)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_preemption_leaves_outputs_unchanged(models, arch):
     reqs = _mixed_requests()

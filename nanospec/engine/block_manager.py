@@ -11,6 +11,12 @@ still hit. Only tokens after the last shared full block are computed per sample;
 the prompt is shared, only its last token is (its logits are needed to sample). That token's K/V is
 then written again into the shared block: the same tokens at the same positions, the same values,
 as in vLLM. A partial last block is never shared (it will hold the sample's own tokens).
+
+Drafts need slots before they are verified: `ensure` grows a table ahead, `truncate` rolls it back
+after rejections. The block a rollback frees goes back to its sequence on its next `ensure` (if no
+one took it meanwhile). Handed to the back of the free list instead, it would go to another row and
+this row would get whichever block is oldest: within a rollout every sequence's KV would be spread
+over the whole pool, and gathering it costs every later step more (docs/results.md).
 """
 from __future__ import annotations
 
@@ -92,14 +98,17 @@ class BlockManager:
         if need > self.num_free:
             return False
         for _ in range(need):
-            seq.block_table.append(self._take())
+            spare, seq.spare_block = seq.spare_block, None
+            back = spare in self.free_blocks and self.block_hash[spare] is None   # not a cached prefix
+            seq.block_table.append(self._take(spare if back else None))
         return True
 
     def truncate(self, seq: Sequence, length: int) -> None:
         """KV rollback after rejected drafts: drop blocks beyond `length` tokens."""
         keep = -(-length // self.block_size)
         while len(seq.block_table) > keep:
-            self._release(seq.block_table.pop())
+            seq.spare_block = seq.block_table.pop()     # the first block past `length`, last popped
+            self._release(seq.spare_block)
 
     def free(self, seq: Sequence) -> None:
         for block in reversed(seq.block_table):

@@ -62,6 +62,7 @@ class Sequence:
         self.status = Status.WAITING
         self.finish_reason: str | None = None
         self.block_table: list[int] = []
+        self.spare_block: int | None = None   # the block the last KV rollback freed (BlockManager.truncate)
         self.num_computed = 0                 # target KV valid for positions < num_computed
         self.num_draft_computed = 0           # same for a drafter with its own KV (self/draft model)
         self.num_forwards = self.num_drafted = 0   # target forwards that emitted its tokens; drafts verified
