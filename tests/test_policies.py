@@ -464,7 +464,7 @@ def test_length_class_caps_cap_every_row():
 
 def test_one_acceptance_tally_per_source():
     """Per (position, confidence bin): the calibration of confident drafts, raw confidence until a cell
-    has data; per position for the others, shrunk toward the position before, an untried position
+    has data, then less one standard error (a lower bound); per position for the others, shrunk toward the position before, an untried position
     priced like the last measured one; old evidence decays over the steps a source went unseen."""
     acc = Acceptance(bins=10, positions=4, max_count=1e9, decay=0.5)
     assert acc.calibrated("s", [0.55]) == [0.55]
@@ -477,6 +477,10 @@ def test_one_acceptance_tally_per_source():
     cal = acc.calibrated("s", [0.98, 0.98, 0.52, 0.98])
     assert cal[0] == pytest.approx(0.9, abs=0.03) and cal[1] == pytest.approx(0.3, abs=0.05)
     assert cal[2] == pytest.approx(1.0, abs=0.05) and cal[3] == 0.98          # no data there: raw
+    few = Acceptance()                       # one test, accepted: (1 + 2 * 0.9) / 3, less its standard error
+    few.observe("s", 1, 1, [0.9])
+    p = 2.8 / 3
+    assert few.calibrated("s", [0.9]) == pytest.approx([p - math.sqrt(p * (1 - p) / 3)])
     for a in [0] * 20 + [4] * 30:                   # position 0: 60%; positions 1-3: always (no confidence)
         acc.observe("m", 4, a)
     r = acc.rates("m", 6)

@@ -23,7 +23,8 @@ c: seconds one more verified token adds to the packed step (LatencyModel.token_c
 fixed extra, D: the drafting (a history drafter's propose(), per row; a drafter with its own model:
 one forward of it per draft position, max_i k_i of them, plus the catch-up forward over the tokens it
 has not seen). a_ij: P(row i's draft j is accepted | its drafts before it were), the drafter's own
-confidence where it gives one (calibrated against measured acceptance), else its source's measured
+confidence where it gives one (calibrated against measured acceptance, less one standard error:
+the drafts kept are those whose estimates came out high), else its source's measured
 rate at position j, raised by a bound that is wide while evidence is thin (`Acceptance`), so that a
 new or rarely seen source is tried rather than trusted. The rule: draft the k that maximises V/T
 (`plan_drafts`: Dinkelbach, greedy in worth * P), iff its drafts save s times the seconds they cost:
@@ -101,8 +102,10 @@ class Acceptance:
     counts decay by `decay` per step it went unobserved (applied when it is observed again, so that
     silence alone never switches a source back on): the estimates follow the current weights.
 
-    Confident drafts: (accepted + m * c) / (tested + m): the raw confidence c until its cell has data
-    (a suffix tree's frequencies come from ~16 samples and overstate, most at the first positions).
+    Confident drafts: p = (accepted + m * c) / (tested + m), the raw confidence c until its cell has
+    data (a suffix tree's frequencies come from ~16 samples and overstate, most at the first
+    positions), then less one standard error, sqrt(p (1 - p) / (tested + m)): a lower bound for the
+    drafts `clip` keeps, as the rates below are an upper bound for the sources `budgets` tries.
     Others: r_j = (accepted_j + m * r_(j-1)) / (tested_j + m), shrunk toward the position before (toward
     `prior` at 0), raised by sqrt(r (1 - r) m) / (tested_j + m): the prior's standard error, shrinking
     as 1 / tested (one standard error, shrinking as 1 / sqrt(tested), compounds over 8 positions into a
@@ -153,12 +156,19 @@ class Acceptance:
         return out
 
     def calibrated(self, source: str, confidence: Sequence[float]) -> list[float]:
-        """Conditional acceptance of each draft from its raw confidence."""
+        """Conditional acceptance of each draft from its raw confidence, lowered by its standard error
+        once its cell has data: `clip` keeps the drafts whose estimates are highest, so the estimates
+        of the kept ones lean high (the optimiser's curse, measured in docs/results.md)."""
         tested, acc = self.counts.get(source, (None, None))
         if tested is None:
             return list(confidence)
-        return [(acc[cell] + self.m * c) / (tested[cell] + self.m)
-                for cell, c in ((self._cell(j, c), c) for j, c in enumerate(confidence))]
+        out = []
+        for j, c in enumerate(confidence):
+            cell = self._cell(j, c)
+            t = tested[cell]
+            p = (acc[cell] + self.m * c) / (t + self.m)
+            out.append(p - math.sqrt(p * (1.0 - p) / (t + self.m)) if t else p)
+        return out
 
 
 class LengthClasses:
