@@ -369,15 +369,13 @@ class CausalLM(nn.Module):
         B, Q = positions.shape
         fused = (a.num_kv_heads, a.num_heads // a.num_kv_heads)
         C = key_slots.shape[1]
-        if index is None or Q == 1:
-            return [(None, Q, key_slots.flatten(), attention_mask(positions, C, fused, dtype))]
-        lens = torch.bincount(torch.div(index, Q, rounding_mode="floor"), minlength=B)      # [B] real tokens
-        groups = []
-        for rows, w in ((torch.nonzero(lens == 1).flatten(), 1), (torch.nonzero(lens > 1).flatten(), Q)):
-            if len(rows):
-                bias = attention_mask(positions[rows, :w], C, fused, dtype)
-                groups.append((rows, w, key_slots[rows].flatten(), bias))
-        return groups
+        if index is not None and Q > 1:
+            lens = torch.bincount(torch.div(index, Q, rounding_mode="floor"), minlength=B)  # [B] real tokens
+            single = torch.nonzero(lens == 1).flatten()
+            if len(single):          # else every row has several tokens: one group, no gather by row
+                return [(rows, w, key_slots[rows].flatten(), attention_mask(positions[rows, :w], C, fused, dtype))
+                        for rows, w in ((single, 1), (torch.nonzero(lens > 1).flatten(), Q))]
+        return [(None, Q, key_slots.flatten(), attention_mask(positions, C, fused, dtype))]
 
     def rotary(self, positions, width: int):
         """cos, sin' [N, G + 2, 1, hd] for the fused qkv row (chunks: G of q heads, k, v: cos 1, sin 0),
