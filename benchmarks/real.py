@@ -37,6 +37,7 @@ import torch
 from scipy.stats import ks_2samp
 
 from nanospec import LLM, SamplingParams
+from nanospec.engine.llm import frozen_heap
 
 PRIOR, SUFFIX = {"method": "prior", "num_draft_tokens": 8}, {"method": "suffix", "num_draft_tokens": 8}
 DRAFTERS = [("ngram", {"method": "ngram", "num_draft_tokens": 8}), ("suffix", SUFFIX), ("prior", PRIOR),
@@ -215,7 +216,7 @@ def run(args) -> list[dict]:
     model, tok = load_model(model_dir), AutoTokenizer.from_pretrained(model_dir)
     rows = [] if opts.skip_engine else engine_vs_transformers(
         model_dir, model, [int(b) for b in opts.batches.split(",")], opts.engine_tokens, opts.repeats)
-    with tempfile.TemporaryDirectory() as workdir:
+    with tempfile.TemporaryDirectory() as workdir, frozen_heap():     # the heap frozen, as in the trainer
         rows += rollouts(model_dir, model, tok, opts, workdir)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     print(f"real suite: peak RSS {rss:.2f} GiB ({model_dir})")

@@ -202,6 +202,38 @@ def test_a_rolled_back_draft_block_goes_back_to_its_sequence():
     assert all(bm.ref_count[x] == 1 for x in a.block_table + b.block_table + c.block_table)
 
 
+def test_frozen_heap_keeps_collections_off_the_startup_heap_for_one_run():
+    """Inside `frozen_heap` a full collection walks only what was made since it began (the suffix
+    trie's nodes), not the model and everything else alive at the start; afterwards, and after an
+    error, the heap is unfrozen, so a cycle among those objects that died meanwhile is freed."""
+    import gc
+    import weakref
+    from nanospec.engine.llm import frozen_heap
+
+    class Cycle:
+        def __init__(self):
+            self.me = self
+
+    old = Cycle()
+    gone = weakref.ref(old)
+    with frozen_heap():
+        assert gc.get_freeze_count() > 1000
+        del old                              # garbage, but frozen with the heap: not walked
+        gc.collect()
+        assert gone() is not None
+        new = Cycle()
+        new_gone = weakref.ref(new)
+        del new                              # made during the run: collected as usual
+        gc.collect()
+        assert new_gone() is None
+    assert gc.get_freeze_count() == 0
+    gc.collect()
+    assert gone() is None                    # unfrozen: now it is found
+    with pytest.raises(RuntimeError), frozen_heap():
+        raise RuntimeError("a failed run")
+    assert gc.get_freeze_count() == 0
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_preemption_leaves_outputs_unchanged(models, arch):
     reqs = _mixed_requests()

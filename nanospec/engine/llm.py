@@ -12,7 +12,9 @@ Rejected drafts are rolled back by shortening: num_computed = len - 1 and surplu
 """
 from __future__ import annotations
 
+import contextlib
 import copy
+import gc
 import os
 import time
 from collections import defaultdict
@@ -90,6 +92,22 @@ class RequestOutput:
     from_verify: list[bool]     # token emitted by a verify step that had drafts
     text: str | None
     finish_reason: str
+
+
+@contextlib.contextmanager
+def frozen_heap():
+    """Keep the garbage collector off every object alive when a run starts (gc.freeze; vLLM freezes
+    its heap once warmed up), until it ends. Why: a full collection walks every tracked object (the
+    model's modules, the tokenizer, ~440k objects here: 0.22-0.24 s), and the suffix trie's new
+    nodes set one off every few rollouts, as a pause inside whichever engine step allocated last.
+    Frozen, it walks only what the run made since (~60k objects: ~7 ms). Unfrozen at the end, so a
+    process that makes many runs (the tests) frees the old ones' reference cycles as before."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 class LLM:

@@ -52,7 +52,7 @@ from nanospec.config import config_to_dict, save_config, validate_world
 from nanospec.rl.dist import all_reduce_grads, hash_seed
 from nanospec.rl.faults import fault_point
 from nanospec.drafters.chain import find_drafter, members
-from nanospec.engine.llm import LLM
+from nanospec.engine.llm import LLM, frozen_heap
 from nanospec.models.hub import resolve_model
 from nanospec.models.loader import load_model
 from nanospec.models.decoder import drop_packed_weights
@@ -624,28 +624,29 @@ class Trainer:
         bar = tqdm(total=cfg.grpo.num_steps, initial=self.step, desc="grpo", disable=self.rank != 0)
         tb = tensorboard_writer(self.run_dir, cfg.run.log_to) if self.rank == 0 else None
         m = {}
-        while self.step < cfg.grpo.num_steps:
-            try:
-                m = self.train_step()
-                last = self.step == cfg.grpo.num_steps
-                if last or (cfg.run.eval_every and self.step % cfg.run.eval_every == 0):
-                    m.update(self.evaluate())
-            except RewardError:
-                bar.close()         # the error's line goes below the bar, not onto it
-                raise
-            if self.step == 1 and self.eval_before:   # the run's starting point, in its own record
-                m.update({k.replace("eval/", "eval_before/", 1): v for k, v in self.eval_before.items()})
-            for msg in self.guard.update(m, self.eval_before):
-                self._warn(msg)
-            if self.rank == 0:
-                with open(metrics_path, "a") as f:
-                    f.write(json.dumps({k: _finite(v) for k, v in m.items()}) + "\n")
-                log_scalars(tb, m)
-            bar.update(1)
-            bar.set_postfix(reward=f"{m['reward_mean']:.3f}", tok_s=f"{m['tokens_per_s']:.0f}",
-                            fwd_tok=f"{m['target_forwards_per_token']:.2f}", t_roll=f"{m['time_rollout']:.1f}s")
-            if last or (cfg.run.save_every and self.step % cfg.run.save_every == 0):
-                self.save()
+        with frozen_heap():            # no 0.2 s collector pauses inside rollout steps
+            while self.step < cfg.grpo.num_steps:
+                try:
+                    m = self.train_step()
+                    last = self.step == cfg.grpo.num_steps
+                    if last or (cfg.run.eval_every and self.step % cfg.run.eval_every == 0):
+                        m.update(self.evaluate())
+                except RewardError:
+                    bar.close()         # the error's line goes below the bar, not onto it
+                    raise
+                if self.step == 1 and self.eval_before:   # the run's starting point, in its own record
+                    m.update({k.replace("eval/", "eval_before/", 1): v for k, v in self.eval_before.items()})
+                for msg in self.guard.update(m, self.eval_before):
+                    self._warn(msg)
+                if self.rank == 0:
+                    with open(metrics_path, "a") as f:
+                        f.write(json.dumps({k: _finite(v) for k, v in m.items()}) + "\n")
+                    log_scalars(tb, m)
+                bar.update(1)
+                bar.set_postfix(reward=f"{m['reward_mean']:.3f}", tok_s=f"{m['tokens_per_s']:.0f}",
+                                fwd_tok=f"{m['target_forwards_per_token']:.2f}", t_roll=f"{m['time_rollout']:.1f}s")
+                if last or (cfg.run.save_every and self.step % cfg.run.save_every == 0):
+                    self.save()
         bar.close()
         if tb is not None:
             tb.close()
