@@ -179,20 +179,24 @@ def controller(coef=CPU, draft_forward=None, **kw):
                            replay=True, **kw)
 
 
-def replay(rate, ctrl=None, k=0, B=1, tokens=96, max_k=8, draft_forward=None, seed=0, log=None, drafting=None):
+def replay(rate, ctrl=None, k=0, B=1, tokens=96, max_k=8, draft_forward=None, seed=0, log=None, drafting=None,
+           confidence=None):
     """Scripted drafting, no clock: `B` rows generate `tokens` each; at step s a draft is right with
     probability rate(s), drawn once per (row, output position) so that runs with other draft lengths
-    see the same stream; only the first `drafting` rows (default all) ever get a draft. `ctrl` (a
+    see the same stream; only the first `drafting` rows (default all) ever get a draft, each token
+    rated `confidence` by the drafter if given (a confident source: sample at T=1). `ctrl` (a
     DraftController) or a fixed `k` per step. -> modeled seconds: the target step t(B, C, Q) of the
     controller's latency model (CPU) plus a model drafter's forwards."""
     lat, rng = LatencyModel(coef=CPU), random.Random(seed)
-    rows, right, seconds, step = [Row(16, 0, tokens) for _ in range(B)], [{} for _ in range(B)], 0.0, 0
+    rows = [Row(16, 0, tokens, temperature=0.0 if confidence is None else 1.0) for _ in range(B)]
+    right, seconds, step = [{} for _ in range(B)], 0.0, 0
     for i, r in enumerate(rows):
         r.drafts = drafting is None or i < drafting
     while rows:
         ks = ctrl.budgets(rows, max_k) if ctrl else [k] * len(rows)
         ks = [min(x, r.params.max_tokens - r.num_completion_tokens - 1) for x, r in zip(ks, rows)]
-        drafts = Proposal([[1] * x if r.drafts else [] for x, r in zip(ks, rows)], sources=["d"] * len(rows))
+        drafts = Proposal([[1] * x if r.drafts else [] for x, r in zip(ks, rows)], sources=["d"] * len(rows),
+                          confidence=None if confidence is None else [[confidence] * x for x in ks])
         if ctrl and any(ks):
             drafts = ctrl.clip(drafts, ks, rows)
         n = [len(t) for t in drafts.tokens]
@@ -203,7 +207,7 @@ def replay(rate, ctrl=None, k=0, B=1, tokens=96, max_k=8, draft_forward=None, se
             while a < d and right[i].setdefault(p + a, rng.random() < rate(step)):
                 a += 1
             if ctrl and d:
-                ctrl.observe_acceptance("d", d, a)
+                ctrl.observe_acceptance("d", d, a, None if confidence is None else [confidence] * d)
             r.n += a + 1
             if d or draft_forward is None:          # a model drafter's KV follows only where it drafted
                 r.num_draft_computed = r.n - 1
@@ -217,15 +221,17 @@ def replay(rate, ctrl=None, k=0, B=1, tokens=96, max_k=8, draft_forward=None, se
 
 
 @pytest.mark.parametrize("B,tokens", [(1, 96), (1, 256), (8, 128)])
-@pytest.mark.parametrize("draft_forward", [None, 0.25])
-def test_replay_an_always_wrong_drafter_costs_at_most_3_percent(B, tokens, draft_forward):
+@pytest.mark.parametrize("draft_forward,confidence", [(None, None), (0.25, None), (None, 0.9)])
+def test_replay_an_always_wrong_drafter_costs_at_most_3_percent(B, tokens, draft_forward, confidence):
     """(a) A drafter that is never right: it is tried while its bound says it might pay, then off,
     probed rarely (2 tokens): at most 1.03x the time of plain decoding, a history drafter (free
-    drafts: the longest learning) or a draft model (each draft position a quarter of a decode)."""
+    drafts: the longest learning), a draft model (each draft position a quarter of a decode) or a
+    drafter sure of every token (0.9), until its calibration learns otherwise."""
     plain = replay(lambda s: 0.0, k=0, B=B, tokens=tokens)
     log = []
-    assert replay(lambda s: 0.0, controller(draft_forward=draft_forward), B=B, tokens=tokens,
-                  draft_forward=draft_forward, log=log) <= 1.03 * plain
+    ctrl = controller(draft_forward=draft_forward, confident_sources=["d"] if confidence else ())
+    assert replay(lambda s: 0.0, ctrl, B=B, tokens=tokens, draft_forward=draft_forward, log=log,
+                  confidence=confidence) <= 1.03 * plain
     assert sum(map(any, log[-tokens // 4:])) <= 3       # and off in the last quarter but for probes
 
 
@@ -249,11 +255,15 @@ def test_replay_drafts_grow_to_6_or_more_within_50_steps_at_acceptance_0_9(B, dr
 
 
 @pytest.mark.parametrize("B", [8, 16])
-def test_replay_a_source_that_improves_mid_run_drafts_again_within_100_steps(B):
+@pytest.mark.parametrize("confidence", [None, 0.95])
+def test_replay_a_source_that_improves_mid_run_drafts_again_within_100_steps(B, confidence):
     """(d) Acceptance 0.2 for 200 steps (off at these batches: probed at a doubling gap), then 0.9: the probes see it,
-    the old evidence has decayed, and most rows draft again within 100 steps."""
+    the old evidence has decayed, and most rows draft again within 100 steps. Also for a drafter that
+    rates its own tokens (0.95 throughout): once its calibration has learned 0.2 it is not even asked
+    for drafts but on probes, which see the change."""
     log = []
-    replay(lambda s: 0.2 if s < 200 else 0.9, controller(), B=B, tokens=600, log=log)
+    ctrl = controller(confident_sources=["d"] if confidence else ())
+    replay(lambda s: 0.2 if s < 200 else 0.9, ctrl, B=B, tokens=600, log=log, confidence=confidence)
     assert sum(map(any, log[150:200])) <= 4                              # off but for probes
     assert any(sum(map(bool, n)) > B // 2 for n in log[200:300])
 
@@ -441,7 +451,7 @@ def test_confident_drafts_are_priced_token_by_token():
         ctrl.observe_acceptance("d", 4, 0, confidence=sure)
     rows = [Row(temperature=1.0) for _ in range(64)]
     prop = Proposal([[1, 2, 3, 4]] * 64, sources=["d"] * 64, confidence=[sure] * 64)
-    assert not any(ctrl.clip(prop, ctrl.budgets(rows, 4), rows).tokens)
+    assert ctrl.budgets(rows, 4) == [0] * 64        # not even asked: its best calibrated draft cannot pay
     rows[0].params.temperature = 0.0                # greedy: no confidence, the source's (untried) rates
     prop = Proposal([[1, 2, 3, 4]] * 64, sources=["d"] * 64, confidence=[sure] * 64)
     assert ctrl.clip(prop, ctrl.budgets(rows, 4), rows).confidence[0] is None
@@ -452,7 +462,7 @@ def test_length_class_caps_cap_every_row():
     rule and whatever the drafter (the earlier 'they cap only the others' is gone)."""
     classes = LengthClasses([18], [1, 3])
     assert [classes.budget(x) for x in (0, 17, 18, 500)] == [1, 1, 3, 3]
-    rows = [Row(completion=5, predicted_len=10), Row(completion=30)]
+    rows = [Row(completion=5, predicted_len=10), Row(completion=5, predicted_len=30)]
     for latency in (None, LatencyModel(coef=[1, 0, 0.001, 0, 0, 0])):
         ctrl = DraftController(latency, classes=classes, sources=["d"], confident_sources=["d"], replay=True)
         assert ctrl.budgets(rows, 8) == [1, 3] and ctrl.budgets(rows, 2) == [1, 2]
@@ -463,8 +473,9 @@ def test_length_class_caps_cap_every_row():
 
 
 def test_one_acceptance_tally_per_source():
-    """Per (position, confidence bin): the calibration of confident drafts, raw confidence until a cell
-    has data, then less one standard error (a lower bound); per position for the others, shrunk toward the position before, an untried position
+    """Per (position, confidence bin): the calibration of confident drafts, raw confidence until its bin
+    has data (an untried position priced like the last measured one), then less one standard error (a
+    lower bound), and their best, one standard error up (an upper bound); per position for the others, shrunk toward the position before, an untried position
     priced like the last measured one; old evidence decays over the steps a source went unseen."""
     acc = Acceptance(bins=10, positions=4, max_count=1e9, decay=0.5)
     assert acc.calibrated("s", [0.55]) == [0.55]
@@ -476,7 +487,9 @@ def test_one_acceptance_tally_per_source():
         acc.observe("s", 3, a, [0.99, 0.99, 0.55])
     cal = acc.calibrated("s", [0.98, 0.98, 0.52, 0.98])
     assert cal[0] == pytest.approx(0.9, abs=0.03) and cal[1] == pytest.approx(0.3, abs=0.05)
-    assert cal[2] == pytest.approx(1.0, abs=0.05) and cal[3] == 0.98          # no data there: raw
+    assert cal[2] == pytest.approx(1.0, abs=0.05) and cal[3] == cal[1]        # untried: like the last measured
+    assert acc.calibrated("s", [0.15]) == [0.15]                              # a bin with no data at all: raw
+    assert acc.best("s", 4) == pytest.approx([0.9, 0.3, 1.0, 1.0], abs=0.03)   # the best bin, one s.e. up
     few = Acceptance()                       # one test, accepted: (1 + 2 * 0.9) / 3, less its standard error
     few.observe("s", 1, 1, [0.9])
     p = 2.8 / 3

@@ -31,19 +31,23 @@ new or rarely seen source is tried rather than trusted. The rule: draft the k th
 
     (V(k) - t_ar) / (T(k) - t_ar)  >=  s      (s = speculation.toggle_min_speedup, the one threshold)
 
-It runs twice per step. Before drafting (`budgets`), per source, on its rates, with D: how much to ask
-each source for (0: do not run it). After drafting (`clip`), on every row's own estimates, D spent:
-which drafts to verify. The paper policies are its inputs, not separate mechanisms: EfficientRollout's
-system-aware toggle is the k = 0 outcome; its adaptive draft length is the per-position rates (a
-position not tried yet is priced like the last one measured, its bound high, so drafts grow while they
-are accepted); DAS's length classes, when `length_class_budgets` are given, cap k per row.
+It runs twice per step. Before drafting (`budgets`), per source, on its rates (a confident source: the
+best its calibration allows), with D: how much to ask each source for (0: do not run it). After
+drafting (`clip`), on every row's own estimates, D spent: which drafts to verify. The paper policies
+are its inputs, not separate mechanisms: EfficientRollout's system-aware toggle is the k = 0 outcome;
+its adaptive draft length is the per-position rates (a position not tried yet is priced like the last
+one measured, its bound high, so drafts grow while they are accepted); DAS's length classes, when
+`length_class_budgets` are given, cap k per row.
 
-An off source is probed: `probe_rows` rows draft 2 tokens (a drafter with its own KV: only rows it is
-current on) once a gap has passed since its last probe (doubling, up to `probe_every_max`, while it
-stays off; carried over rollout steps), if the probe costs at most `probe_fraction` of what the source
-could save at acceptance 1 over the tokens the batch still has to generate. A source that could not
-pay even at acceptance 1 is never probed. Its old evidence decays with the steps it went unobserved,
-so a source that got better is back on after a probe or two; silence alone never switches it on.
+A source whose drafts `clip` has not kept on their price for a gap of steps (off in `budgets`, or asked
+and cut every time) is probed: on the rows whose tokens are worth the most, `probe_rows` rows draft 2
+tokens, verified unpriced (a drafter with its own KV: only rows it is current on). The gap doubles with
+each probe, up to `probe_every_max`, restarts when `budgets` turns a rate source back on (a confident
+source's stays: it is measured whenever `clip` keeps its drafts), and carries over rollout steps. A probe is made only if it costs at most `probe_fraction` of what the
+source could save at acceptance 1 over the tokens the batch still has to generate, so a source that
+could not pay even at acceptance 1 is never probed. Its old evidence decays with the steps it went
+unobserved, so a source that got better is back on after a probe or two; silence alone never switches
+it on.
 Choices never touch what is sampled (verify.py): every choice here is exact. With `replay` (a fixed
 latency profile) the clock is never read, so the same tokens always lead to the same choices.
 Sources: EfficientRollout (toggle, adaptive length); DAS (length budgets); Leviathan et al. 2023 eq. 1.
@@ -122,6 +126,7 @@ class Acceptance:
         self.max_count, self.decay = max_count, decay
         self.counts: dict[str, tuple[list[float], list[float]]] = {}    # source -> (tested, accepted) per cell
         self.seen: dict[str, int] = {}                                  # source -> step it was last observed
+        self.observed, self._best = 0, {}                               # observe() calls; best()'s cache
 
     def _cell(self, j: int, c: float | None) -> int:
         return min(j, self.positions - 1) * (self.bins + 1) + (self.bins if c is None else
@@ -131,6 +136,7 @@ class Acceptance:
                 step: int = 0) -> None:
         size = self.positions * (self.bins + 1)
         tested, acc = self.counts.setdefault(source, ([0.0] * size, [0.0] * size))
+        self.observed += 1
         f = self.decay ** (step - self.seen.setdefault(source, step))
         if f < 1.0:
             tested[:], acc[:] = [x * f for x in tested], [x * f for x in acc]
@@ -155,19 +161,47 @@ class Acceptance:
             out.append(min(1.0, r + math.sqrt(r * (1.0 - r) * self.m) / (t + self.m)))
         return out
 
+    def _estimate(self, tested, acc, j: int, c: float) -> tuple[float, float] | None:
+        """(p, its standard error) for a draft at position j with confidence c: its cell's, or, untried
+        there, the nearest earlier position's in its bin (priced like the last one measured, as in
+        `rates`); None where no position of that bin has data."""
+        for i in range(min(j, self.positions - 1), -1, -1):
+            cell = self._cell(i, c)
+            t = tested[cell]
+            if t:
+                p = (acc[cell] + self.m * c) / (t + self.m)
+                return p, math.sqrt(p * (1.0 - p) / (t + self.m))
+        return None
+
+    def best(self, source: str, k: int) -> list[float]:
+        """Upper bound at positions 0..k-1 on a confident draft's acceptance: the highest over the
+        confidence bins of the bin's top calibrated, one standard error up (1 while no bin has data).
+        `budgets` asks a confident source only for the rows where a draft this good would pay; one it
+        stops asking is probed, and so measured again."""
+        tested, acc = self.counts.get(source, (None, None))
+        if tested is None:
+            return [1.0] * k
+        key = (self.observed, k)
+        if self._best.get(source, (None,))[0] != key:       # it changes only with observe()
+            out = []
+            for j in range(k):
+                bins = (self._estimate(tested, acc, j, (b + 1) / self.bins - 1e-9) for b in range(self.bins))
+                tops = [p + se for p, se in filter(None, bins)]
+                out.append(min(1.0, max(tops)) if tops else 1.0)
+            self._best[source] = (key, out)
+        return self._best[source][1]
+
     def calibrated(self, source: str, confidence: Sequence[float]) -> list[float]:
         """Conditional acceptance of each draft from its raw confidence, lowered by its standard error
-        once its cell has data: `clip` keeps the drafts whose estimates are highest, so the estimates
-        of the kept ones lean high (the optimiser's curse, measured in docs/results.md)."""
+        once its bin has data (`_estimate`): `clip` keeps the drafts whose estimates are highest, so the
+        estimates of the kept ones lean high (the optimiser's curse, measured in docs/results.md)."""
         tested, acc = self.counts.get(source, (None, None))
         if tested is None:
             return list(confidence)
         out = []
         for j, c in enumerate(confidence):
-            cell = self._cell(j, c)
-            t = tested[cell]
-            p = (acc[cell] + self.m * c) / (t + self.m)
-            out.append(p - math.sqrt(p * (1.0 - p) / (t + self.m)) if t else p)
+            est = self._estimate(tested, acc, j, c)
+            out.append(c if est is None else est[0] - est[1])
         return out
 
 
@@ -271,17 +305,20 @@ class DraftController:
         out, ones = [0] * len(seqs), [[1.0] * k for k in caps]
         for n in dict.fromkeys(self.sources + list(self.acceptance.counts)) or [""]:
             cost = self._draft_cost(st, n, len(seqs), sum(lags) / len(lags))
-            if n in self.confident:       # rates each draft itself: ask for the cap whenever drafting could
-                ks = caps if any(self._solve(st, ones, *cost)[0]) else [0] * len(caps)   # pay; clip() prices
-            else:                                                                      # its drafts one by one
+            if n in self.confident:       # rates each draft itself: the cap on every row where its best
+                best = list(itertools.accumulate(self.acceptance.best(n, max(caps)), operator.mul))  # could
+                keep = self._solve(st, [best[:k] for k in caps], *cost)[0]         # pay; clip() prices its
+                ks = [k if kept else 0 for k, kept in zip(caps, keep)]            # drafts one by one
+            else:
                 rates = list(itertools.accumulate(self.acceptance.rates(n, max(caps)), operator.mul))
                 ks = self._solve(st, [rates[:k] for k in caps], *cost)[0]
-                gap = self._gap.setdefault(n, [0, self.probe_every])
-                if any(ks):
-                    gap[:] = [0, self.probe_every]
-                else:
-                    gap[0] += 1
-                    ks = self._probe(st, n, seqs, caps, lags, gap, ones)
+            gap = self._gap.setdefault(n, [0, self.probe_every])
+            gap[0] += 1          # steps since clip() last kept its drafts on their price (it resets it)
+            if any(ks) and n not in self.confident:       # a rate source back on: its backoff restarts
+                gap[1] = self.probe_every
+            if gap[0] >= gap[1]:                # off, or asked but cut every time: probed
+                probe = self._probe(st, n, seqs, caps, lags, gap, ones)
+                ks = [max(a, b) for a, b in zip(ks, probe)]
             st["ks"][n] = ks
             out = [max(a, b) for a, b in zip(out, ks)]
         return out
@@ -289,10 +326,10 @@ class DraftController:
     def _probe(self, st: dict, source: str, seqs, caps: list[int], lags: list[int], gap: list[int],
                ones: list[list[float]]) -> list[int]:
         """An off source's probe rows (k per row), or all 0: see the module docstring."""
-        kv = source in self.kv_sources
-        rows = [i for i in sorted(range(len(seqs)), key=lags.__getitem__) if caps[i] and (not kv or lags[i] <= 2)]
-        rows = rows[:self.probe_rows]
-        if gap[0] < gap[1] or not rows:
+        kv, worth = source in self.kv_sources, st["worth"]    # the rows whose tokens are worth the most
+        rows = [i for i in sorted(range(len(seqs)), key=lambda i: -worth[i])   # (those the batch waits for)
+                if caps[i] and (not kv or lags[i] <= 2)][:self.probe_rows]
+        if not rows:
             return [0] * len(seqs)
         k = min(2, *(caps[i] for i in rows))
         any_k, per = self._draft_cost(st, source, len(rows))
@@ -302,7 +339,7 @@ class DraftController:
         if not any(keep) or cost > self.probe_fraction * (1 - 1 / s1) * left / st["B"] * st["t_ar"]:
             return [0] * len(seqs)
         gap[:] = [0, min(2 * gap[1], self.probe_every_max)]
-        st["probing"][source] = [self.probe_rows, k]         # rows left to probe, tokens each
+        st["probing"][source] = k                            # tokens a probe row keeps (`clip`)
         return [k if i in rows else 0 for i in range(len(seqs))]
 
     def keeps_draft_kv(self, ctx_len: float, max_k: int) -> bool:
@@ -325,14 +362,13 @@ class DraftController:
         confidence = proposal.confidence or [None] * len(seqs)
         confidence = [c if s.params.temperature > 0 else None for c, s in zip(confidence, seqs)]  # greedy: argmax
         tokens, probs, probed = list(proposal.tokens), [[] for _ in seqs], set()
+        for n in st["probing"]:          # probe rows: those of the probed source's rows worth the most
+            rows = [i for i, t in enumerate(tokens) if t and proposal.sources[i] == n]
+            probed.update(sorted(rows, key=lambda i: -st["worth"][i])[:self.probe_rows])
         for i, (t, n, c) in enumerate(zip(tokens, proposal.sources, confidence)):
-            if not t:
-                continue
-            probe = st["probing"].get(n)
-            if probe and probe[0] > 0:             # a probe row: drafted to be measured, not priced
-                probe[0] -= 1
-                tokens[i] = t[:probe[1]]
-                probed.add(i)
+            if i in probed:                        # drafted to be measured, not priced
+                tokens[i] = t[:st["probing"][n]]
+            if not t or i in probed:
                 continue
             k = min(len(t), st["ks"].get(n, budgets)[i])
             cond = self.acceptance.calibrated(n, c[:k]) if c is not None else self.acceptance.rates(n, k)
@@ -341,6 +377,9 @@ class DraftController:
         keep, _ = plan_drafts(probs, st["worth"], st["t_ar"], st["c"], st["v"], min_speedup=self.min_speedup,
                               spent=st["c"] * fixed + st["v"] if fixed else 0.0)
         tokens = [t if i in probed else t[:k] for i, (t, k) in enumerate(zip(tokens, keep))]
+        for i, k in enumerate(keep):
+            if k and proposal.sources[i] in self._gap:    # verified on its price: no probe needed yet
+                self._gap[proposal.sources[i]][0] = 0
         return replace(proposal, tokens=tokens, confidence=proposal.confidence and confidence)
 
     # ---- what the engine reports back ---------------------------------------------------------------

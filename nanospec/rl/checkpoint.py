@@ -234,7 +234,7 @@ def flat_loads(data: bytes):
     return Flat(io.BytesIO(root)).load()
 
 
-ENGINE_STATE_VERSION = 6      # 6: a history drafter's time is a median of recent propose() calls
+ENGINE_STATE_VERSION = 7      # 7: Acceptance.best (a confident source priced by its best bin)
 
 
 def engine_state(llm) -> dict:
