@@ -43,11 +43,11 @@ A source whose drafts `clip` has not kept on their price for a gap of steps (off
 and cut every time) is probed: on the rows whose tokens are worth the most, `probe_rows` rows draft 2
 tokens, verified unpriced (a drafter with its own KV: only rows it is current on). The gap doubles with
 each probe, up to `probe_every_max`, restarts when `budgets` turns a rate source back on (a confident
-source's stays: it is measured whenever `clip` keeps its drafts), and carries over rollout steps. A probe is made only if it costs at most `probe_fraction` of what the
-source could save at acceptance 1 over the tokens the batch still has to generate, so a source that
-could not pay even at acceptance 1 is never probed. Its old evidence decays with the steps it went
-unobserved, so a source that got better is back on after a probe or two; silence alone never switches
-it on.
+source's stays: it is measured whenever `clip` keeps its drafts), and carries over rollout steps. A
+probe is made only if it costs at most `probe_fraction` of what the source could save at acceptance 1
+over the tokens the batch still has to generate, so a source that could not pay even at acceptance 1
+is never probed. Its old evidence decays with the steps it went unobserved, so a source that got
+better is back on after a probe or two; silence alone never switches it on.
 Choices never touch what is sampled (verify.py): every choice here is exact. With `replay` (a fixed
 latency profile) the clock is never read, so the same tokens always lead to the same choices.
 Sources: EfficientRollout (toggle, adaptive length); DAS (length budgets); Leviathan et al. 2023 eq. 1.

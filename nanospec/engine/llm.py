@@ -98,10 +98,10 @@ class RequestOutput:
 def frozen_heap():
     """Keep the garbage collector off every object alive when a run starts (gc.freeze; vLLM freezes
     its heap once warmed up), until it ends. Why: a full collection walks every tracked object (the
-    model's modules, the tokenizer, ~440k objects here: 0.22-0.24 s), and the suffix trie's new
-    nodes set one off every few rollouts, as a pause inside whichever engine step allocated last.
-    Frozen, it walks only what the run made since (~60k objects: ~7 ms). Unfrozen at the end, so a
-    process that makes many runs (the tests) frees the old ones' reference cycles as before."""
+    model's modules, the tokenizer, torch: hundreds of thousands), and the suffix trie's new nodes set
+    one off every few rollouts, as a pause of a fifth of a second inside whichever engine step
+    allocated last. Frozen, it walks only what the run made since (docs/results.md). Unfrozen at the
+    end, so a process that makes many runs (the tests) frees the old ones' reference cycles as before."""
     gc.collect()
     gc.freeze()
     try:

@@ -624,7 +624,7 @@ class Trainer:
         bar = tqdm(total=cfg.grpo.num_steps, initial=self.step, desc="grpo", disable=self.rank != 0)
         tb = tensorboard_writer(self.run_dir, cfg.run.log_to) if self.rank == 0 else None
         m = {}
-        with frozen_heap():            # no 0.2 s collector pauses inside rollout steps
+        with frozen_heap():            # no collector pass over the whole heap inside a rollout step
             while self.step < cfg.grpo.num_steps:
                 try:
                     m = self.train_step()
