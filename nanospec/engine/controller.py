@@ -161,16 +161,20 @@ class Acceptance:
             out.append(min(1.0, r + math.sqrt(r * (1.0 - r) * self.m) / (t + self.m)))
         return out
 
+    def _calibrate(self, tested, acc, cell: int, c: float) -> tuple[float, float]:
+        """(p, its standard error) of confidence c in a cell with data."""
+        t = tested[cell]
+        p = (acc[cell] + self.m * c) / (t + self.m)
+        return p, math.sqrt(p * (1.0 - p) / (t + self.m))
+
     def _estimate(self, tested, acc, j: int, c: float) -> tuple[float, float] | None:
         """(p, its standard error) for a draft at position j with confidence c: its cell's, or, untried
         there, the nearest earlier position's in its bin (priced like the last one measured, as in
         `rates`); None where no position of that bin has data."""
         for i in range(min(j, self.positions - 1), -1, -1):
             cell = self._cell(i, c)
-            t = tested[cell]
-            if t:
-                p = (acc[cell] + self.m * c) / (t + self.m)
-                return p, math.sqrt(p * (1.0 - p) / (t + self.m))
+            if tested[cell]:
+                return self._calibrate(tested, acc, cell, c)
         return None
 
     def best(self, source: str, k: int) -> list[float]:
@@ -183,11 +187,15 @@ class Acceptance:
             return [1.0] * k
         key = (self.observed, k)
         if self._best.get(source, (None,))[0] != key:       # it changes only with observe()
-            out = []
+            out, last = [], [0.0] * self.bins     # per bin: its estimate at the last position measured
             for j in range(k):
-                bins = (self._estimate(tested, acc, j, (b + 1) / self.bins - 1e-9) for b in range(self.bins))
-                tops = [p + se for p, se in filter(None, bins)]
-                out.append(min(1.0, max(tops)) if tops else 1.0)
+                for b in range(self.bins):
+                    c = (b + 1) / self.bins - 1e-9                # the bin's top
+                    cell = self._cell(j, c)
+                    if tested[cell]:
+                        p, se = self._calibrate(tested, acc, cell, c)
+                        last[b] = p + se
+                out.append(min(1.0, max(last)) if any(last) else 1.0)
             self._best[source] = (key, out)
         return self._best[source][1]
 
