@@ -473,34 +473,31 @@ def test_length_class_caps_cap_every_row():
 
 
 def test_one_acceptance_tally_per_source():
-    """Per (position, confidence bin): the calibration of confident drafts, raw confidence until its bin
-    has data (an untried position priced like the last measured one), then less one standard error (a
-    lower bound), and their best, one standard error up (an upper bound); per position for the others, shrunk toward the position before, an untried position
-    priced like the last measured one; old evidence decays over the steps a source went unseen."""
-    acc = Acceptance(bins=10, positions=4, max_count=1e9, decay=0.5)
-    assert acc.calibrated("s", [0.55]) == [0.55]
+    """Per draft position: confident drafts are priced by their confidence, scaled by how often the
+    position's drafts were right for what they claimed (pooled over confidences, shrunk toward 1; an
+    untried position takes the last measured scale); their best is a draft claiming 1. The others:
+    per-position rates shrunk toward the position before, an untried position priced like the last
+    measured one; old evidence decays over the steps a source went unseen."""
+    acc = Acceptance(positions=4, max_count=1e9, decay=0.5)
+    assert acc.calibrated("s", [0.55]) == [0.55] and acc.best("s", 2) == [1.0, 1.0]
     rng = np.random.default_rng(0)
-    for _ in range(2000):   # first draft 0.99 accepted 90%, second 0.99 accepted 30%, third 0.55 always
-        a = 1 if rng.random() < 0.9 else 0
-        a += a == 1 and rng.random() < 0.3
-        a += a == 2
-        acc.observe("s", 3, a, [0.99, 0.99, 0.55])
-    cal = acc.calibrated("s", [0.98, 0.98, 0.52, 0.98])
-    assert cal[0] == pytest.approx(0.9, abs=0.03) and cal[1] == pytest.approx(0.3, abs=0.05)
-    assert cal[2] == pytest.approx(1.0, abs=0.05) and cal[3] == cal[1]        # untried: like the last measured
-    assert acc.calibrated("s", [0.15]) == [0.15]                              # a bin with no data at all: raw
-    assert acc.best("s", 4) == pytest.approx([0.9, 0.3, 1.0, 1.0], abs=0.03)   # the best bin, one s.e. up
-    few = Acceptance()                       # one test, accepted: (1 + 2 * 0.9) / 3, less its standard error
-    few.observe("s", 1, 1, [0.9])
-    p = 2.8 / 3
-    assert few.calibrated("s", [0.9]) == pytest.approx([p - math.sqrt(p * (1 - p) / 3)])
+    for _ in range(4000):   # position 0 overstates (claims 0.9 or 0.5, right 0.72 or 0.4 of the time:
+        c = 0.9 if rng.random() < 0.5 else 0.5             # 0.8x), position 1 understates (0.5 -> 0.6)
+        a = int(rng.random() < 0.8 * c)
+        a += a == 1 and rng.random() < 0.6
+        acc.observe("s", 2, a, [c, 0.5])
+    cal = acc.calibrated("s", [0.9, 0.5, 0.5])
+    assert cal[0] == pytest.approx(0.72, abs=0.02) and cal[1] == pytest.approx(0.6, abs=0.03)
+    assert cal[2] == cal[1]                                                  # untried: like the last measured
+    assert acc.calibrated("s", [0.2])[0] == pytest.approx(0.16, abs=0.01)   # a confidence never seen: scaled too
+    assert acc.best("s", 3) == pytest.approx([0.8, 1.0, 1.0], abs=0.02)     # a draft claiming 1
     for a in [0] * 20 + [4] * 30:                   # position 0: 60%; positions 1-3: always (no confidence)
         acc.observe("m", 4, a)
     r = acc.rates("m", 6)
     assert r[0] == pytest.approx(0.6, abs=0.03) and min(r[1:4]) > 0.95 and r[4] == r[5] == r[3]
     assert acc.rates("new", 3) == [0.5 + math.sqrt(0.25 / 2)] * 3     # prior 0.5 (weight 2), one standard error up
     acc.observe("m", 4, 0, step=1)                  # one step later: the 50 verify rows weigh half
-    assert acc.counts["m"][0][acc._cell(0, None)] == pytest.approx(26.0)
+    assert acc.counts["m"][0][0] == pytest.approx(26.0)
 
 
 def test_measured_step_times_switch_drafting_off():

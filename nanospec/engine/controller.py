@@ -23,18 +23,18 @@ c: seconds one more verified token adds to the packed step (LatencyModel.token_c
 fixed extra, D: the drafting (a history drafter's propose(), per row; a drafter with its own model:
 one forward of it per draft position, max_i k_i of them, plus the catch-up forward over the tokens it
 has not seen). a_ij: P(row i's draft j is accepted | its drafts before it were), the drafter's own
-confidence where it gives one (calibrated against measured acceptance, less one standard error:
-the drafts kept are those whose estimates came out high), else its source's measured
-rate at position j, raised by a bound that is wide while evidence is thin (`Acceptance`), so that a
-new or rarely seen source is tried rather than trusted. The rule: draft the k that maximises V/T
-(`plan_drafts`: Dinkelbach, greedy in worth * P), iff its drafts save s times the seconds they cost:
+confidence where it gives one (scaled by how often its source's drafts at position j were right for
+what they claimed), else its source's measured rate at position j, raised by a bound that is wide
+while evidence is thin (`Acceptance`), so that a new or rarely seen source is tried, not trusted.
+The rule: draft the k that maximises V/T (`plan_drafts`: Dinkelbach, greedy in worth * P), iff its
+drafts save s times the seconds they cost:
 
     (V(k) - t_ar) / (T(k) - t_ar)  >=  s      (s = speculation.toggle_min_speedup, the one threshold)
 
-It runs twice per step. Before drafting (`budgets`), per source, on its rates (a confident source: the
-best its calibration allows), with D: how much to ask each source for (0: do not run it). After
-drafting (`clip`), on every row's own estimates, D spent: which drafts to verify. The paper policies
-are its inputs, not separate mechanisms: EfficientRollout's system-aware toggle is the k = 0 outcome;
+It runs twice per step. Before drafting (`budgets`), per source, on its rates (a confident source: a
+draft claiming 1), with D: how much to ask each source for (0: do not run it). After drafting
+(`clip`), on every row's own estimates, D spent: which drafts to verify. The paper policies are its
+inputs, not separate mechanisms: EfficientRollout's system-aware toggle is the k = 0 outcome;
 its adaptive draft length is the per-position rates (a position not tried yet is priced like the last
 one measured, its bound high, so drafts grow while they are accepted); DAS's length classes, when
 `length_class_budgets` are given, cap k per row.
@@ -100,60 +100,59 @@ def plan_drafts(probs: list[list[float]], worth: list[float], t_ar: float, token
 
 
 class Acceptance:
-    """One acceptance tally per source: tested and accepted drafts per (draft position, confidence bin),
-    the last bin for drafts that came without a confidence. A verify row tests its drafts up to and
-    including the first rejection. Each cell halves once it holds `max_count` tests, and a source's
+    """One acceptance tally per source, per draft position: drafts tested, accepted and, for drafts that
+    came with a confidence, the acceptance they claimed. A verify row tests its drafts up to and
+    including the first rejection. Each position halves once it holds `max_count` tests, and a source's
     counts decay by `decay` per step it went unobserved (applied when it is observed again, so that
     silence alone never switches a source back on): the estimates follow the current weights.
 
-    Confident drafts: p = (accepted + m * c) / (tested + m), the raw confidence c until its cell has
-    data (a suffix tree's frequencies come from ~16 samples and overstate, most at the first
-    positions), then less one standard error, sqrt(p (1 - p) / (tested + m)): a lower bound for the
-    drafts `clip` keeps, as the rates below are an upper bound for the sources `budgets` tries.
+    Confident drafts: p = c * (accepted + m) / (claimed + m), the raw confidence c scaled by how far the
+    position's drafts have been right for what they claimed (observed / expected, shrunk toward 1). One
+    scale per position, pooled over all confidences: a suffix tree's frequencies (from ~16 samples)
+    overstate at T=1 and understate at T=0.6, a scale corrects either, and every kept draft updates it.
+    (Per confidence bin, a few early rejections priced a bin below every later price: never kept, never
+    measured again, it stayed there; docs/results.md.)
     Others: r_j = (accepted_j + m * r_(j-1)) / (tested_j + m), shrunk toward the position before (toward
     `prior` at 0), raised by sqrt(r (1 - r) m) / (tested_j + m): the prior's standard error, shrinking
     as 1 / tested (one standard error, shrinking as 1 / sqrt(tested), compounds over 8 positions into a
     long draft priced 1.5x too high). A rate that rises along the draft (one that survived its first
     tokens is on a span the drafter knows) is priced as measured; an untried position like the one
-    before it, with a wide bound, so drafts grow while they are accepted.
+    before it (a confident draft: by its scale), with a wide bound, so drafts grow while accepted.
     """
 
-    def __init__(self, prior: float = 0.5, positions: int = 16, bins: int = 10, prior_weight: float = 2.0,
+    def __init__(self, prior: float = 0.5, positions: int = 16, prior_weight: float = 2.0,
                  max_count: float = 32.0, decay: float = 0.998):
         check(0.0 <= prior <= 1.0, "prior", "a probability in [0, 1]", prior)
         check(0.0 < decay <= 1.0, "decay", "in (0, 1]", decay)
-        self.prior, self.positions, self.bins, self.m = prior, positions, bins, prior_weight
+        self.prior, self.positions, self.m = prior, positions, prior_weight
         self.max_count, self.decay = max_count, decay
-        self.counts: dict[str, tuple[list[float], list[float]]] = {}    # source -> (tested, accepted) per cell
+        # source -> [tested, accepted, claimed] per cell: cells 0..P-1 drafts without confidence, P..2P-1 with
+        self.counts: dict[str, list[list[float]]] = {}
         self.seen: dict[str, int] = {}                                  # source -> step it was last observed
-        self.observed, self._best = 0, {}                               # observe() calls; best()'s cache
-
-    def _cell(self, j: int, c: float | None) -> int:
-        return min(j, self.positions - 1) * (self.bins + 1) + (self.bins if c is None else
-                                                               min(int(c * self.bins), self.bins - 1))
 
     def observe(self, source: str, proposed: int, accepted: int, confidence: Sequence[float] | None = None,
                 step: int = 0) -> None:
-        size = self.positions * (self.bins + 1)
-        tested, acc = self.counts.setdefault(source, ([0.0] * size, [0.0] * size))
-        self.observed += 1
+        cells = self.counts.setdefault(source, [[0.0] * 2 * self.positions for _ in range(3)])
         f = self.decay ** (step - self.seen.setdefault(source, step))
         if f < 1.0:
-            tested[:], acc[:] = [x * f for x in tested], [x * f for x in acc]
+            cells[:] = [[x * f for x in xs] for xs in cells]
         self.seen[source] = step
+        tested, acc, claimed = cells
         for j in range(min(accepted + 1, proposed)):
-            cell = self._cell(j, confidence[j] if confidence else None)
+            cell = min(j, self.positions - 1) + (self.positions if confidence else 0)
             tested[cell] += 1.0
             acc[cell] += j < accepted
+            claimed[cell] += confidence[j] if confidence else 0.0
             if tested[cell] > self.max_count:
-                tested[cell], acc[cell] = tested[cell] / 2, acc[cell] / 2
+                tested[cell], acc[cell], claimed[cell] = tested[cell] / 2, acc[cell] / 2, claimed[cell] / 2
 
     def rates(self, source: str, k: int) -> list[float]:
         """Upper-bound conditional acceptance at positions 0..k-1 of a draft without confidence."""
-        tested, acc = self.counts.get(source, (None, None))
+        tested, acc, _ = self.counts.get(source, (None, None, None))
         out, r = [], self.prior
         for j in range(k):
-            t, a = (0.0, 0.0) if tested is None else (tested[self._cell(j, None)], acc[self._cell(j, None)])
+            cell = min(j, self.positions - 1)
+            t, a = (0.0, 0.0) if tested is None else (tested[cell], acc[cell])
             if t == 0.0 and out:            # untried: priced like the last position measured
                 out.append(out[-1])
                 continue
@@ -161,56 +160,27 @@ class Acceptance:
             out.append(min(1.0, r + math.sqrt(r * (1.0 - r) * self.m) / (t + self.m)))
         return out
 
-    def _calibrate(self, tested, acc, cell: int, c: float) -> tuple[float, float]:
-        """(p, its standard error) of confidence c in a cell with data."""
-        t = tested[cell]
-        p = (acc[cell] + self.m * c) / (t + self.m)
-        return p, math.sqrt(p * (1.0 - p) / (t + self.m))
-
-    def _estimate(self, tested, acc, j: int, c: float) -> tuple[float, float] | None:
-        """(p, its standard error) for a draft at position j with confidence c: its cell's, or, untried
-        there, the nearest earlier position's in its bin (priced like the last one measured, as in
-        `rates`); None where no position of that bin has data."""
-        for i in range(min(j, self.positions - 1), -1, -1):
-            cell = self._cell(i, c)
-            if tested[cell]:
-                return self._calibrate(tested, acc, cell, c)
-        return None
+    def scales(self, source: str, k: int) -> list[float]:
+        """Per position 0..k-1: accepted / claimed of the source's confident drafts, shrunk toward 1
+        (1 before any data; an untried position takes the last measured one's)."""
+        tested, acc, claimed = self.counts.get(source, (None, None, None))
+        out, s = [], 1.0
+        for j in range(k):
+            cell = self.positions + min(j, self.positions - 1)
+            if tested is not None and tested[cell]:
+                s = (acc[cell] + self.m) / (claimed[cell] + self.m)
+            out.append(s)
+        return out
 
     def best(self, source: str, k: int) -> list[float]:
-        """Upper bound at positions 0..k-1 on a confident draft's acceptance: the highest over the
-        confidence bins of the bin's top calibrated, one standard error up (1 while no bin has data).
+        """Upper bound at positions 0..k-1 on a confident draft's acceptance: one that claims 1.
         `budgets` asks a confident source only for the rows where a draft this good would pay; one it
         stops asking is probed, and so measured again."""
-        tested, acc = self.counts.get(source, (None, None))
-        if tested is None:
-            return [1.0] * k
-        key = (self.observed, k)
-        if self._best.get(source, (None,))[0] != key:       # it changes only with observe()
-            out, last = [], [0.0] * self.bins     # per bin: its estimate at the last position measured
-            for j in range(k):
-                for b in range(self.bins):
-                    c = (b + 1) / self.bins - 1e-9                # the bin's top
-                    cell = self._cell(j, c)
-                    if tested[cell]:
-                        p, se = self._calibrate(tested, acc, cell, c)
-                        last[b] = p + se
-                out.append(min(1.0, max(last)) if any(last) else 1.0)
-            self._best[source] = (key, out)
-        return self._best[source][1]
+        return [min(1.0, s) for s in self.scales(source, k)]
 
     def calibrated(self, source: str, confidence: Sequence[float]) -> list[float]:
-        """Conditional acceptance of each draft from its raw confidence, lowered by its standard error
-        once its bin has data (`_estimate`): `clip` keeps the drafts whose estimates are highest, so the
-        estimates of the kept ones lean high (the optimiser's curse, measured in docs/results.md)."""
-        tested, acc = self.counts.get(source, (None, None))
-        if tested is None:
-            return list(confidence)
-        out = []
-        for j, c in enumerate(confidence):
-            est = self._estimate(tested, acc, j, c)
-            out.append(c if est is None else est[0] - est[1])
-        return out
+        """Conditional acceptance of each draft: its raw confidence, scaled by its position's record."""
+        return [min(1.0, c * s) for c, s in zip(confidence, self.scales(source, len(confidence)))]
 
 
 class LengthClasses:

@@ -234,7 +234,7 @@ def flat_loads(data: bytes):
     return Flat(io.BytesIO(root)).load()
 
 
-ENGINE_STATE_VERSION = 7      # 7: Acceptance.best (a confident source priced by its best bin)
+ENGINE_STATE_VERSION = 8      # 8: Acceptance scales confidences per position (no bins)
 
 
 def engine_state(llm) -> dict:
