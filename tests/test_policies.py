@@ -500,6 +500,22 @@ def test_one_acceptance_tally_per_source():
     assert acc.counts["m"][0][0] == pytest.approx(26.0)
 
 
+def test_a_few_early_rejections_do_not_strand_a_range_of_confidences():
+    """What the per-position scale protects: drafts claiming 0.45 meet 4 rejections first (bad luck: a
+    1-in-11 draw at 0.45), then the source's drafts are right as often as they claim. Per (position,
+    bin) cell, less a standard error, that bin was priced ~0.0 from then on: never kept, so never
+    measured again (docs/results.md: T=0.6 bins accepted 0.50 priced 0.06). Pooled over confidences,
+    every kept draft restores it."""
+    acc = Acceptance()
+    for _ in range(4):
+        acc.observe("s", 1, 0, [0.45])
+    assert acc.calibrated("s", [0.45])[0] < 0.3              # the bad luck shows at first
+    rng = np.random.default_rng(1)
+    for _ in range(300):                                     # kept drafts claim 0.8, right 80% of the time
+        acc.observe("s", 1, int(rng.random() < 0.8), [0.8])
+    assert acc.calibrated("s", [0.45])[0] == pytest.approx(0.45, abs=0.06)
+
+
 def test_measured_step_times_switch_drafting_off():
     """What the speed-up guard protected: verify steps that measure slower than profiled. Every timed
     step refits the latency model, so drafts that the profile priced as paying (a verified token at 5%
