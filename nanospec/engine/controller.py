@@ -106,8 +106,8 @@ class Acceptance:
     counts decay by `decay` per step it went unobserved (applied when it is observed again, so that
     silence alone never switches a source back on): the estimates follow the current weights.
 
-    Confident drafts: p = c * (accepted + m) / (claimed + m), the raw confidence c scaled by how far the
-    position's drafts have been right for what they claimed (observed / expected, shrunk toward 1). One
+    Confident drafts: p = c * (accepted + m) / (claimed + m), the raw confidence c scaled by how often the
+    position's drafts were right for what they claimed (observed / expected, shrunk toward 1). One
     scale per position, pooled over all confidences: a suffix tree's frequencies (from ~16 samples)
     overstate at T=1 and understate at T=0.6, a scale corrects either, and every kept draft updates it.
     (Per confidence bin, a few early rejections priced a bin below every later price: never kept, never
