@@ -130,6 +130,9 @@ class Acceptance:
         self.counts: dict[str, list[list[float]]] = {}
         self.seen: dict[str, int] = {}                                  # source -> step it was last observed
 
+    def _cell(self, j: int, confident: bool) -> int:
+        return min(j, self.positions - 1) + (self.positions if confident else 0)
+
     def observe(self, source: str, proposed: int, accepted: int, confidence: Sequence[float] | None = None,
                 step: int = 0) -> None:
         cells = self.counts.setdefault(source, [[0.0] * 2 * self.positions for _ in range(3)])
@@ -139,7 +142,7 @@ class Acceptance:
         self.seen[source] = step
         tested, acc, claimed = cells
         for j in range(min(accepted + 1, proposed)):
-            cell = min(j, self.positions - 1) + (self.positions if confidence else 0)
+            cell = self._cell(j, bool(confidence))
             tested[cell] += 1.0
             acc[cell] += j < accepted
             claimed[cell] += confidence[j] if confidence else 0.0
@@ -151,7 +154,7 @@ class Acceptance:
         tested, acc, _ = self.counts.get(source, (None, None, None))
         out, r = [], self.prior
         for j in range(k):
-            cell = min(j, self.positions - 1)
+            cell = self._cell(j, False)
             t, a = (0.0, 0.0) if tested is None else (tested[cell], acc[cell])
             if t == 0.0 and out:            # untried: priced like the last position measured
                 out.append(out[-1])
@@ -166,7 +169,7 @@ class Acceptance:
         tested, acc, claimed = self.counts.get(source, (None, None, None))
         out, s = [], 1.0
         for j in range(k):
-            cell = self.positions + min(j, self.positions - 1)
+            cell = self._cell(j, True)
             if tested is not None and tested[cell]:
                 s = (acc[cell] + self.m) / (claimed[cell] + self.m)
             out.append(s)
