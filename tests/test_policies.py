@@ -479,7 +479,7 @@ def test_one_acceptance_tally_per_source():
     per-position rates shrunk toward the position before, an untried position priced like the last
     measured one; old evidence decays over the steps a source went unseen."""
     acc = Acceptance(positions=4, max_count=1e9, decay=0.5)
-    assert acc.calibrated("s", [0.55]) == [0.55] and acc.best("s", 2) == [1.0, 1.0]
+    assert acc.calibrated("s", [0.55]) == [0.55] and acc.calibrated("s", [1.0, 1.0]) == [1.0, 1.0]
     rng = np.random.default_rng(0)
     for _ in range(4000):   # position 0 overstates (claims 0.9 or 0.5, right 0.72 or 0.4 of the time:
         c = 0.9 if rng.random() < 0.5 else 0.5             # 0.8x), position 1 understates (0.5 -> 0.6)
@@ -490,7 +490,7 @@ def test_one_acceptance_tally_per_source():
     assert cal[0] == pytest.approx(0.72, abs=0.02) and cal[1] == pytest.approx(0.6, abs=0.03)
     assert cal[2] == cal[1]                                                  # untried: like the last measured
     assert acc.calibrated("s", [0.2])[0] == pytest.approx(0.16, abs=0.01)   # a confidence never seen: scaled too
-    assert acc.best("s", 3) == pytest.approx([0.8, 1.0, 1.0], abs=0.02)     # a draft claiming 1
+    assert acc.calibrated("s", [1.0] * 3) == pytest.approx([0.8, 1.0, 1.0], abs=0.02)    # a draft claiming 1
     for a in [0] * 20 + [4] * 30:                   # position 0: 60%; positions 1-3: always (no confidence)
         acc.observe("m", 4, a)
     r = acc.rates("m", 6)

@@ -1,55 +1,48 @@
 """How much to draft: one decision rule, applied to every row of every engine step.
 
 A step over B rows at mean context C decodes B tokens in t_ar = t(B, C, 1) (latency.py): w of it is
-paid once per step whatever its rows, r = (t_ar - w) / B per row. Drafting k_i tokens on row i instead
-is worth, in seconds of plain decoding saved, and costs
+paid once per step, r = (t_ar - w) / B per row. Drafting k_i tokens on row i instead is worth, in
+seconds of plain decoding saved, and costs
 
     V(k) = t_ar + sum_i worth_i * sum_{j < k_i} P_ij,        P_ij = a_i0 * a_i1 * ... * a_ij
     T(k) = t_ar + c * sum_i k_i + v * [any k_i > 0] + D(k)
     worth_i = r + w * last_i,        last_i = exp(-lead_i / sigma) / sum_j exp(-lead_j / sigma)
 
-A token saves its row's own r, and a share of w only if it brings the batch's end nearer. A rollout
-batch drains (no request waits for a slot) and ends with its last row, so that share is the chance
-that row i is the one the batch waits for. lead_i: how many tokens row i is ahead of the row furthest
-behind; sigma = max(1, sqrt(L * var)) tokens, how far the rows may still drift apart: L tokens left to
-that row (at most L more steps), var the measured variance of a row's accepted drafts per step.
-Where drafts are accepted often and alike, leads are noise and rows share w alike (t_ar / B a token
-when level); where few rows draft (a sparse drafter, as at T=1), the rows that drafted get ahead and
-their further drafts save only r: they would end early and the batch would still wait for the rest.
-With requests waiting, a finished row's slot is refilled at once: w counts as 0, every token is worth
+A token saves its row's r, and a share of w only if it brings the batch's end nearer: a draining
+rollout batch ends with its last row, and last_i is the chance that row i is that row (lead_i: tokens
+row i is ahead of the row furthest behind; sigma = max(1, sqrt(L * var)): how far rows may still
+drift apart in the L tokens left, var the measured variance of a row's accepted drafts per step). Rows
+level with each other share w alike; rows that drafted ahead (a sparse drafter, as at T=1) save only r.
+With requests waiting, a finished row's slot is refilled at once: w counts 0, every token is worth
 t_ar / B, and V / T is Leviathan et al.'s expected tokens per second.
 
-c: seconds one more verified token adds to the packed step (LatencyModel.token_cost), v: a verify's
-fixed extra, D: the drafting (a history drafter's propose(), per row; a drafter with its own model:
-one forward of it per draft position, max_i k_i of them, plus the catch-up forward over the tokens it
-has not seen). a_ij: P(row i's draft j is accepted | its drafts before it were), the drafter's own
-confidence where it gives one (scaled by how often its source's drafts at position j were right for
-what they claimed), else its source's measured rate at position j, raised by a bound that is wide
-while evidence is thin (`Acceptance`), so that a new or rarely seen source is tried, not trusted.
-The rule: draft the k that maximises V/T (`plan_drafts`: Dinkelbach, greedy in worth * P), iff its
-drafts save s times the seconds they cost:
+c: seconds one more verified token adds (LatencyModel.token_cost); v: a verify's fixed extra; D: the
+drafting (a history drafter's propose(), per row; a drafter with its own model: a forward per draft
+position, max_i k_i of them, plus the catch-up over the tokens it has not seen). a_ij: P(row i's draft
+j is accepted | the ones before it were): the drafter's confidence scaled by its source's record at
+position j, or else the source's measured rate there, raised while evidence is thin (`Acceptance`), so
+that a new or rarely seen source is tried, not trusted. The rule: draft the k that maximises V / T
+(`plan_drafts`, Dinkelbach), iff its drafts save s times the seconds they cost:
 
     (V(k) - t_ar) / (T(k) - t_ar)  >=  s      (s = speculation.toggle_min_speedup, the one threshold)
 
-It runs twice per step. Before drafting (`budgets`), per source, on its rates (a confident source: a
-draft claiming 1), with D: how much to ask each source for (0: do not run it). After drafting
-(`clip`), on every row's own estimates, D spent: which drafts to verify. The paper policies are its
-inputs, not separate mechanisms: EfficientRollout's system-aware toggle is the k = 0 outcome;
-its adaptive draft length is the per-position rates (a position not tried yet is priced like the last
-one measured, its bound high, so drafts grow while they are accepted); DAS's length classes, when
-`length_class_budgets` are given, cap k per row.
+It runs twice per step: before drafting (`budgets`), per source on its rates (a confident source: a
+draft claiming 1), with D: how much to ask each source for (0: do not run it); after (`clip`), on each
+row's own estimates, D spent: which drafts to verify. The paper policies are its inputs, not separate
+mechanisms: EfficientRollout's system-aware toggle is the k = 0 outcome, its adaptive draft length the
+per-position rates (an untried position is priced like the last measured one, its bound high, so
+drafts grow while accepted); DAS's length classes, when `length_class_budgets` are given, cap k per row.
 
-A source whose drafts `clip` has not kept on their price for a gap of steps (off in `budgets`, or asked
-and cut every time) is probed: on the rows whose tokens are worth the most, `probe_rows` rows draft 2
-tokens, verified unpriced (a drafter with its own KV: only rows it is current on). The gap doubles with
-each probe, up to `probe_every_max`, restarts when `budgets` turns a rate source back on (a confident
-source's stays: it is measured whenever `clip` keeps its drafts), and carries over rollout steps. A
-probe is made only if it costs at most `probe_fraction` of what the source could save at acceptance 1
-over the tokens the batch still has to generate, so a source that could not pay even at acceptance 1
-is never probed. Its old evidence decays with the steps it went unobserved, so a source that got
-better is back on after a probe or two; silence alone never switches it on.
-Choices never touch what is sampled (verify.py): every choice here is exact. With `replay` (a fixed
-latency profile) the clock is never read, so the same tokens always lead to the same choices.
+A source whose drafts `clip` has not kept on their price for a gap of steps (off, or cut every time) is
+probed: `probe_rows` of the rows whose tokens are worth the most draft 2 tokens, verified unpriced (a
+drafter with its own KV: only rows it is current on). The gap doubles per probe up to
+`probe_every_max`, restarts when `budgets` turns a rate source back on (a confident source is measured
+whenever `clip` keeps its drafts), and carries over rollout steps. A probe costs at most `probe_fraction` of
+what the source could save at acceptance 1 over the tokens the batch has left, so a source that could
+not pay even then is never probed. Old evidence decays with the steps a source went unobserved: one
+that got better is back on after a probe or two; silence alone never switches it on.
+No choice here touches what is sampled (verify.py): every one is exact. With `replay` (a fixed latency
+profile) the clock is never read, so the same tokens always lead to the same choices.
 Sources: EfficientRollout (toggle, adaptive length); DAS (length budgets); Leviathan et al. 2023 eq. 1.
 """
 from __future__ import annotations
@@ -61,7 +54,6 @@ import operator
 import statistics
 from collections import deque
 from dataclasses import replace
-from types import SimpleNamespace
 from typing import Sequence
 
 from nanospec.config import check, is_int
@@ -71,18 +63,15 @@ from nanospec.engine.latency import LatencyModel, profiled_latency, replayed_pro
 def plan_drafts(probs: list[list[float]], worth: list[float], t_ar: float, token_cost: float,
                 verify_overhead: float = 0.0, draft_seconds: float = 0.0, per_forward: float = 0.0,
                 min_speedup: float = 1.0, spent: float = 0.0) -> tuple[list[int], float]:
-    """Per row, how many of its drafts to verify: the rule of the module docstring for one step.
+    """Per row, how many of its drafts to verify: the module docstring's rule for one step.
 
-    probs[i][j]: P(row i's drafts 0..j all accepted), non-increasing in j. worth[i]: seconds of plain
-    decoding that one more token on row i saves. The plain step takes t_ar; drafts add token_cost each
-    and, once any is verified, verify_overhead + draft_seconds + per_forward x the longest (a model
-    drafter's forwards), after `spent` already committed. Each draft counts worth * p / min_speedup,
-    so that together they must save min_speedup times the seconds they cost. The value / seconds so
-    counted is maximised over prefixes by taking drafts in decreasing worth * p while their gain beats
-    token_cost x the ratio so far (a ratio's optimum keeps exactly the items whose gain / cost beats
-    the ratio itself: Dinkelbach), for each longest draft K where a draft position costs a forward;
-    kept iff it beats verifying only what is spent. -> (k per row, value / seconds of the plan).
-    """
+    probs[i][j]: P(row i's drafts 0..j all accepted), non-increasing in j; worth[i]: seconds of plain
+    decoding one more token on row i saves. Drafts add token_cost each and, once any is verified,
+    verify_overhead + draft_seconds + per_forward x the longest, after `spent` already committed. A
+    draft counts worth * p / min_speedup. V / T is maximised by taking drafts in decreasing worth * p
+    while their gain beats token_cost x the ratio so far (a ratio's optimum keeps exactly the items
+    that beat it: Dinkelbach), per longest draft K where a position costs a forward; kept iff it beats
+    verifying only what is spent. -> (k per row, V / T of the plan)."""
     plans = []
     for K in range(1, max(map(len, probs), default=0) + 1) if per_forward else [None]:
         V, T, keep = t_ar, t_ar + spent + (0.0 if spent else verify_overhead) + draft_seconds, [0] * len(probs)
@@ -100,24 +89,20 @@ def plan_drafts(probs: list[list[float]], worth: list[float], t_ar: float, token
 
 
 class Acceptance:
-    """One acceptance tally per source, per draft position: drafts tested, accepted and, for drafts that
-    came with a confidence, the acceptance they claimed. A verify row tests its drafts up to and
-    including the first rejection. Each position halves once it holds `max_count` tests, and a source's
-    counts decay by `decay` per step it went unobserved (applied when it is observed again, so that
-    silence alone never switches a source back on): the estimates follow the current weights.
+    """One acceptance tally per source and draft position: drafts tested (a verify row tests its drafts
+    up to the first rejection), accepted and, for drafts with a confidence, the acceptance they claimed.
+    A position halves at `max_count` tests; a source's counts decay by `decay` per step it went
+    unobserved (applied when it is observed again: silence alone never switches a source back on).
 
-    Confident drafts: p = c * (accepted + m) / (claimed + m), the raw confidence c scaled by how often the
-    position's drafts were right for what they claimed (observed / expected, shrunk toward 1). One
-    scale per position, pooled over all confidences: a suffix tree's frequencies (from ~16 samples)
-    overstate at T=1 and understate at T=0.6, a scale corrects either, and every kept draft updates it.
-    (Per confidence bin, a few early rejections priced a bin below every later price: never kept, never
-    measured again, it stayed there; docs/results.md.)
-    Others: r_j = (accepted_j + m * r_(j-1)) / (tested_j + m), shrunk toward the position before (toward
-    `prior` at 0), raised by sqrt(r (1 - r) m) / (tested_j + m): the prior's standard error, shrinking
-    as 1 / tested (one standard error, shrinking as 1 / sqrt(tested), compounds over 8 positions into a
-    long draft priced 1.5x too high). A rate that rises along the draft (one that survived its first
-    tokens is on a span the drafter knows) is priced as measured; an untried position like the one
-    before it (a confident draft: by its scale), with a wide bound, so drafts grow while accepted.
+    Confident drafts: c * (accepted + m) / (claimed + m), the confidence c scaled by how often the
+    position's drafts were right for what they claimed, pooled over all confidences (a suffix tree's
+    frequencies overstate at T=1, understate at T=0.6), so every kept draft updates it. (Per confidence
+    bin, a few early rejections priced a bin below every later price, for good: docs/results.md.)
+    Others: r_j = (accepted_j + m * r_(j-1)) / (tested_j + m), shrunk toward the position before
+    (`prior` at 0), raised by sqrt(r (1 - r) m) / (tested_j + m) (a bound shrinking as 1 / tested: one
+    shrinking as 1 / sqrt(tested) compounds over 8 positions into a long draft priced 1.5x too high).
+    A rate rising along the draft is priced as measured; an untried position like the one before it,
+    with a wide bound: drafts grow while accepted.
     """
 
     def __init__(self, prior: float = 0.5, positions: int = 16, prior_weight: float = 2.0,
@@ -175,12 +160,6 @@ class Acceptance:
             out.append(s)
         return out
 
-    def best(self, source: str, k: int) -> list[float]:
-        """Upper bound at positions 0..k-1 on a confident draft's acceptance: one that claims 1.
-        `budgets` asks a confident source only for the rows where a draft this good would pay; one it
-        stops asking is probed, and so measured again."""
-        return [min(1.0, s) for s in self.scales(source, k)]
-
     def calibrated(self, source: str, confidence: Sequence[float]) -> list[float]:
         """Conditional acceptance of each draft: its raw confidence, scaled by its position's record."""
         return [min(1.0, c * s) for c, s in zip(confidence, self.scales(source, len(confidence)))]
@@ -225,8 +204,8 @@ class DraftController:
         self._draft_times: deque = deque(maxlen=9)    # the median of the last 9 (`observe_draft_time`)
         self.replay = replay
         self.acceptance = Acceptance(prior)
-        self.probe_every, self.probe_every_max, self.probe_rows = probe_every, probe_every_max, probe_rows
-        self.probe_fraction = probe_fraction
+        self.probe_every, self.probe_every_max = probe_every, probe_every_max
+        self.probe_rows, self.probe_fraction = probe_rows, probe_fraction
         self._gap: dict[str, list[int]] = {}          # per source: [steps since its last probe, gap]
         self._step: dict | None = None                # this step's plan (budgets -> clip -> observe_forward)
         self._clock = 0                               # engine steps observed (the evidence's decay)
@@ -270,26 +249,23 @@ class DraftController:
         """`plan_drafts` with the drafting cost: `fixed` + `per_forward` x the longest kept draft."""
         return plan_drafts(probs, st["worth"], st["t_ar"], st["c"], st["v"], fixed, per_forward, self.min_speedup)
 
-    def _caps(self, seqs, max_k: int) -> list[int]:
-        if self.classes is None:
-            return [max_k] * len(seqs)
-        return [min(max_k, self.classes.budget(max(s.predicted_len, s.num_completion_tokens))) for s in seqs]
-
     def budgets(self, seqs, max_k: int, draining: bool = True) -> list[int]:
         """Per row, the most drafts to ask for: the max over sources of what each would be given.
         draining: no request is waiting for a slot (`_begin`)."""
         st = self._step = self._begin(seqs, draining)
-        caps = self._caps(seqs, max_k)
+        caps = [max_k if self.classes is None else                           # DAS: a cap per length class
+                min(max_k, self.classes.budget(max(s.predicted_len, s.num_completion_tokens))) for s in seqs]
         if self.latency is None or not any(caps):
             return caps
         lags = [len(s) - getattr(s, "num_draft_computed", len(s) - 1) for s in seqs]
         out, ones = [0] * len(seqs), [[1.0] * k for k in caps]
         for n in dict.fromkeys(self.sources + list(self.acceptance.counts)) or [""]:
             cost = self._draft_cost(st, n, len(seqs), sum(lags) / len(lags))
-            if n in self.confident:       # rates each draft itself: the cap on every row where its best
-                best = list(itertools.accumulate(self.acceptance.best(n, max(caps)), operator.mul))  # could
-                keep = self._solve(st, [best[:k] for k in caps], *cost)[0]         # pay; clip() prices its
-                ks = [k if kept else 0 for k, kept in zip(caps, keep)]            # drafts one by one
+            if n in self.confident:   # rates each draft itself (clip): asked for the cap on every row
+                best = self.acceptance.calibrated(n, [1.0] * max(caps))        # where a draft claiming 1
+                best = list(itertools.accumulate(best, operator.mul))          # would pay
+                keep = self._solve(st, [best[:k] for k in caps], *cost)[0]
+                ks = [k if kept else 0 for k, kept in zip(caps, keep)]
             else:
                 rates = list(itertools.accumulate(self.acceptance.rates(n, max(caps)), operator.mul))
                 ks = self._solve(st, [rates[:k] for k in caps], *cost)[0]
@@ -328,11 +304,10 @@ class DraftController:
         row even at acceptance 1: it would never draft, and its prefill would be pure cost."""
         if self.latency is None or not self.kv_sources:
             return True
-        seq = type("Row", (), {"__len__": lambda self: int(ctx_len), "num_completion_tokens": 0,
-                               "params": SimpleNamespace(max_tokens=max_k + 1)})()
-        st = self._begin([seq])
-        n = next(iter(self.kv_sources))
-        return any(self._solve(st, [[1.0] * max_k], *self._draft_cost(st, n, 1))[0])
+        t = self.latency.predict(1, ctx_len, 1)            # a lone row's token is worth its whole step
+        st = dict(ctx=ctx_len, t_ar=t, c=self.latency.token_cost(ctx_len), v=self.latency.verify_overhead,
+                  worth=[t])
+        return any(self._solve(st, [[1.0] * max_k], *self._draft_cost(st, next(iter(self.kv_sources)), 1))[0])
 
     def clip(self, proposal, budgets, seqs):
         """-> `proposal` with each row cut to what pays: its source's length from `budgets` (its probe
