@@ -14,6 +14,9 @@ Workload: the embedded task with the SFT model (`--model DIR`, default the confi
 else a random tiny model (then lengths are eos-by-chance and drafts rarely match: the row says so).
 Samples differ between variants (same distribution, different draws): `speedup` compares the mean
 rollout time per step (slowest rank), so length noise between variants shows up in it.
+`--baseline-controller FILE` (e.g. `git show REV:nanospec/engine/controller.py > /tmp/ctl.py`) adds the
+rule's row again with that file's controller, interleaved with this tree's in the same run: separate
+runs of one tree differ by up to ~10% on a shared box, the same run by ~2% (docs/results.md).
 """
 import argparse
 import json
@@ -58,6 +61,21 @@ def bad_drafter(vocab_size: int):
     return BadDrafter()
 
 
+RULE = next(v for v in VARIANTS if v[0] == "+toggle and adaptive length")
+BASELINE = RULE[0] + " [baseline controller]"
+
+
+def baseline_module(path: str):
+    """A controller.py from another revision, imported under its own name (its imports are this tree's)."""
+    import importlib.util
+    import sys
+    spec = importlib.util.spec_from_file_location("baseline_controller", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module           # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
 def _rank_main(rank, port, model_path, opts, out_path):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")
@@ -79,7 +97,10 @@ def _rank_main(rank, port, model_path, opts, out_path):
     pool = list({p.prompt: p for p in task.train(40 * P)}.values())[:3 * P]
     batch = lambda s: [pool[(s * P + i) % len(pool)] for i in range(P)]
     workers = {}
-    for name, spec, pol in (VARIANTS[i] for i in opts["variants"]):
+    variants = [VARIANTS[i] for i in opts["variants"]]
+    if opts["baseline"]:
+        variants.append((BASELINE, RULE[1], RULE[2]))
+    for name, spec, pol in variants:
         if model_path:
             model = load_model(model_path)
         else:
@@ -91,7 +112,8 @@ def _rank_main(rank, port, model_path, opts, out_path):
                   controller=None, speculative={"method": "ngram", "num_draft_tokens": SPEC_K} if spec == "bad" else spec)
         if spec == "bad":
             llm.drafter = bad_drafter(llm.vocab_size)
-        llm.controller = build_controller(cfg.speculation, llm)     # after the drafter swap: it reads its sources
+        build = baseline_module(opts["baseline"]).build_controller if name == BASELINE else build_controller
+        llm.controller = build(cfg.speculation, llm)     # after the drafter swap: it reads its sources
         workers[name] = RolloutWorker(llm, tok, cfg, rank, 2)
     start = {k: v.clone() for k, v in next(iter(workers.values())).llm.model.state_dict().items()}
     results = {name: [] for name in workers}
@@ -152,6 +174,8 @@ def run(args) -> list[dict]:
     ap.add_argument("--prompts", type=int, default=8, help="global prompts per step (2 ranks)")
     ap.add_argument("--G", type=int, default=8)
     ap.add_argument("--variants", default=None, help="comma-separated row indices (default: all; 0 = AR is always run)")
+    ap.add_argument("--baseline-controller", default=None, help="another revision's controller.py: the rule's row "
+                    "again with it, interleaved in the same run")
     o, _ = ap.parse_known_args(args.extra)
     keep = sorted({0, *map(int, o.variants.split(","))}) if o.variants else range(len(VARIANTS))
     missing = lambda spec: [d["model"] for d in spec if "model" in d and not Path(d["model"]).is_dir()] \
@@ -159,7 +183,10 @@ def run(args) -> list[dict]:
     for i in [i for i in keep if missing(VARIANTS[i][1])]:
         print(f"rollout suite: {VARIANTS[i][0]} skipped: no n-gram MLP at {missing(VARIANTS[i][1])[0]} (`make mlp`)")
     keep = [i for i in keep if not missing(VARIANTS[i][1])]
-    opts = dict(steps=o.steps or (3 if args.quick else 7), prompts=o.prompts, G=o.G, variants=list(keep))
+    if o.baseline_controller and not Path(o.baseline_controller).is_file():
+        raise SystemExit(f"rollout suite: --baseline-controller {o.baseline_controller}: no such file")
+    opts = dict(steps=o.steps or (3 if args.quick else 7), prompts=o.prompts, G=o.G, variants=list(keep),
+                baseline=o.baseline_controller)
     from nanospec.models.hub import resolve_model
     try:
         model_path = str(resolve_model(o.model))
@@ -183,4 +210,4 @@ def run(args) -> list[dict]:
             raise RuntimeError(f"rollout suite: rank exit codes {[p.exitcode for p in procs]}")
         results = json.loads(Path(out).read_text())
     base = _mean([m["time_rollout"] for m in results["AR"][1:] or results["AR"]])
-    return [_row(name, results[name], label, base) for name, _, _ in VARIANTS if name in results]
+    return [_row(name, results[name], label, base) for name in results]
