@@ -37,10 +37,10 @@ A source whose drafts `clip` has not kept on their price for a gap of steps (off
 probed: `probe_rows` of the rows whose tokens are worth the most draft 2 tokens, verified unpriced (a
 drafter with its own KV: only rows it is current on). The gap doubles per probe up to
 `probe_every_max`, restarts when `budgets` turns a rate source back on (a confident source is measured
-whenever `clip` keeps its drafts), and carries over rollout steps. A probe costs at most `probe_fraction` of
-what the source could save at acceptance 1 over the tokens the batch has left, so a source that could
-not pay even then is never probed. Old evidence decays with the steps a source went unobserved: one
-that got better is back on after a probe or two; silence alone never switches it on.
+whenever `clip` keeps its drafts), and carries over rollout steps. A probe costs at most
+`probe_fraction` of what the source could save at acceptance 1 over the tokens the batch has left, so
+a source that could not pay even then is never probed. Old evidence decays with the steps a source
+went unobserved: one that got better is back on after a probe or two; silence never turns it on.
 No choice here touches what is sampled (verify.py): every one is exact. With `replay` (a fixed latency
 profile) the clock is never read, so the same tokens always lead to the same choices.
 Sources: EfficientRollout (toggle, adaptive length); DAS (length budgets); Leviathan et al. 2023 eq. 1.
