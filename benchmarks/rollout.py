@@ -16,7 +16,8 @@ Samples differ between variants (same distribution, different draws): `speedup` 
 rollout time per step (slowest rank), so length noise between variants shows up in it.
 `--baseline-controller FILE` (e.g. `git show REV:nanospec/engine/controller.py > /tmp/ctl.py`) adds the
 rule's row again with that file's controller, interleaved with this tree's in the same run: separate
-runs of one tree differ by up to ~10% on a shared box, the same run by ~2% (docs/results.md).
+runs of one tree differ by up to ~10% on a shared box, the same run by ~1.5% (docs/results.md). The
+variants' order alternates step by step (ABC CBA): in one fixed order the last ran ~2% faster.
 """
 import argparse
 import json
@@ -122,7 +123,7 @@ def _rank_main(rank, port, model_path, opts, out_path):
         g = torch.Generator().manual_seed(s)   # same update on both ranks: synchronous DP
         update = {k: v + 1e-3 * v.std() * torch.randn(v.shape, generator=g) if v.dim() == 2 else v
                   for k, v in start.items()}
-        for name, worker in workers.items():
+        for name, worker in list(workers.items())[::-1 if s % 2 else 1]:   # ABC CBA: no variant always first
             if s:
                 worker.llm.load_weights(update)
             results[name].append(worker.run(s, batch(s), batch(s + 1))[1])
