@@ -497,7 +497,7 @@ def test_one_acceptance_tally_per_source():
     assert r[0] == pytest.approx(0.6, abs=0.03) and min(r[1:4]) > 0.95 and r[4] == r[5] == r[3]
     assert acc.rates("new", 3) == [0.5 + math.sqrt(0.25 / 2)] * 3     # prior 0.5 (weight 2), one standard error up
     acc.observe("m", 4, 0, step=1)                  # one step later: the 50 verify rows weigh half
-    assert acc.counts["m"][0][0] == pytest.approx(26.0)
+    assert acc.counts["m"][0][acc._cell(0, False)] == pytest.approx(26.0)
 
 
 def test_a_few_early_rejections_do_not_strand_a_range_of_confidences():

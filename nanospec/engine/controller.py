@@ -58,6 +58,7 @@ from typing import Sequence
 
 from nanospec.config import check, is_int
 from nanospec.engine.latency import LatencyModel, profiled_latency, replayed_profile
+from nanospec.engine import sequence
 
 
 def plan_drafts(probs: list[list[float]], worth: list[float], t_ar: float, token_cost: float,
@@ -304,9 +305,8 @@ class DraftController:
         row even at acceptance 1: it would never draft, and its prefill would be pure cost."""
         if self.latency is None or not self.kv_sources:
             return True
-        t = self.latency.predict(1, ctx_len, 1)            # a lone row's token is worth its whole step
-        st = dict(ctx=ctx_len, t_ar=t, c=self.latency.token_cost(ctx_len), v=self.latency.verify_overhead,
-                  worth=[t])
+        row = sequence.Sequence([0] * int(ctx_len), sequence.SamplingParams(max_tokens=max_k + 1))
+        st = self._begin([row])
         return any(self._solve(st, [[1.0] * max_k], *self._draft_cost(st, next(iter(self.kv_sources)), 1))[0])
 
     def clip(self, proposal, budgets, seqs):
