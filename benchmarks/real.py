@@ -144,16 +144,13 @@ def rollouts(model_dir, model, tok, opts, workdir) -> list[dict]:
             if llm.drafter is not None:
                 llm.drafter.next_step()
             llm.reset_stats()
-            if llm.controller is not None:
-                llm.controller.reset_stats()
             params = SamplingParams(temperature=opts.temperature, max_tokens=opts.max_tokens, n=opts.G,
                                     seed=(200_000 if name == AA else 100) + p, ignore_eos=opts.ignore_eos)
             seqs[name] = [s for i, q in enumerate(prompts) for s in llm.add_request(q, params, i, keys[i])]
         seconds = lockstep(order)
         for name, llm in order.items():
             outs = [llm.output(s) for s in seqs[name]]
-            acc[name, p] = (seconds[name], sum(len(o.token_ids) for o in outs), llm.summary(),
-                            llm.controller.stats() if llm.controller is not None else {})
+            acc[name, p] = (seconds[name], sum(len(o.token_ids) for o in outs), llm.summary())
             rewards = score(task, [problems[i // opts.G] for i in range(len(outs))], [o.text for o in outs])[0]
             drawn[name, p] = [(len(o.token_ids), r) for o, r in zip(outs, rewards)]
     rows = []
@@ -163,8 +160,6 @@ def rollouts(model_dir, model, tok, opts, workdir) -> list[dict]:
         for name, llm in engines.items():
             seconds, tokens = (sum(acc[name, p][i] for p in passes) for i in (0, 1))
             total = lambda key: sum(acc[name, p][2][key] for p in passes)           # engine counters
-            policy = lambda key: statistics.fmean(acc[name, p][3][key] for p in passes) \
-                if key in acc[name, h][3] else None                                   # controller stats
             # median of per-pass ratios: both sides of a ratio ran minutes apart at most, so the box's
             # drift between passes cancels (a ratio of sums would carry it); their sd: one pass's noise
             ratios = [rate(name, p) / rate("AR", p) for p in passes]
@@ -175,8 +170,11 @@ def rollouts(model_dir, model, tok, opts, workdir) -> list[dict]:
                              target_forwards_per_token=total("seq_forwards") / max(total("generated_tokens"), 1),
                              acceptance_rate=total("accepted_tokens") / max(total("proposed_tokens"), 1)
                              if llm.drafter is not None else None,
-                             draft_len=policy("draft_len_mean"),
-                             spec_on_frac=policy("spec_on_frac"), len_mean=statistics.fmean(n for n, _ in mine),
+                             draft_len=total("proposed_tokens") / max(total("verify_steps"), 1)
+                             if llm.drafter is not None else None,
+                             spec_on_frac=total("drafting_steps") / max(total("target_forwards"), 1)
+                             if llm.controller is not None else None,
+                             len_mean=statistics.fmean(n for n, _ in mine),
                              reward_mean=statistics.fmean(r for _, r in mine),
                              len_ks_p=float(ks_2samp([n for n, _ in mine], [n for n, _ in ar]).pvalue),
                              lossy=acc[name, h][2]["lossy"]))

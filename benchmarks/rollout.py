@@ -154,7 +154,7 @@ def _row(name, steps, label, base_time):
                 bubble_draft_tokens=_mean([m["bubble_draft_tokens"] for m in st]),
                 bubble_draft_accepted=_mean([m["bubble_draft_accepted"] for m in st]),
                 spec_on_frac=_mean([m.get("spec_on_frac") for m in st]),
-                draft_len_mean=_mean([m.get("draft_len_mean") for m in st]),
+                draft_len_mean=_mean([m["draft_len_mean"] if m.get("verify_steps") else None for m in st]),
                 response_len_mean=_mean([m["response_len_mean"] for m in st]),
                 tokens_per_s=_mean([m["tokens_per_s"] for m in st]), drafter_acceptance=_acceptance(st),
                 time_rollout_per_step=[m["time_rollout"] for m in steps], steps=steps, lossy=False)

@@ -148,8 +148,6 @@ def run(args) -> list[dict]:
                 llm.reset_stats()
                 for p in phases:
                     p[:] = [0.0, 0]
-                if llm.controller is not None:
-                    llm.controller.reset_stats()
             t0 = time.perf_counter()
             outs = llm.generate(prompts, sp(2 + rep, T), use_tqdm=False, prompt_keys=keys)
             acc[0] += time.perf_counter() - t0

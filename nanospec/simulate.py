@@ -284,7 +284,7 @@ def rank_specs(r: dict) -> list[Spec] | None:
     ranks draft differently (a revisited prompt has a prior rollout to draft from, a new one not)."""
     if not all(isinstance(r.get(k), list) for k in RANK_KEYS):
         return None
-    on = r.get("rank_spec_on_frac") if "spec_on_frac" in r else None     # no controller: every step drafts
+    on = r.get("rank_spec_on_frac")            # an older trace lacks it: a rank that drafted, every step
     return [Spec(((v / max(s, 1), p / v, alpha_from_rate(a / p, p / v)),) if v and p else (),
                  on[i] if on else float(bool(v)))
             for i, (s, v, p, a) in enumerate(zip(*(r[k] for k in RANK_KEYS)))]

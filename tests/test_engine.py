@@ -602,6 +602,7 @@ def test_stop_inside_an_accepted_run_counts_only_the_drafts_before_it(models):
     assert (st["verify_steps"], st["proposed_tokens"], st["accepted_tokens"]) == (1, i, i)
     assert st["target_forwards"] == 1
     assert llm.summary()["mean_accepted_len"] == i + 1 == len(out.token_ids)   # every token from that one step
+    assert llm.summary()["draft_len_mean"] == i and llm.summary()["spec_on_frac"] == 1.0   # 1 step, it drafted
 
 
 def test_generate_without_speculation_drafts_and_learns_nothing(models):

@@ -379,8 +379,7 @@ def test_each_source_is_priced_on_its_own_and_off_sources_are_probed_with_a_doub
         probes.append([len(t) for t in out[1::2] if t])
         ctrl.observe_forward(rows, [[0] + t for t in out], 0.0)
     assert probes == [[], [2], [], [], [], [2]] + [[]] * 7 + [[2], [], []]
-    ctrl.reset_stats()
-    assert ctrl._gap["bad"] == [2, 8]
+    assert ctrl._gap["bad"] == [2, 8]                 # kept across rollout steps: nothing resets it
     weak = controller(coef=[1, 0, 0.01, 0, 0, 0])
     for _ in range(64):
         weak.observe_acceptance("d", 4, 0)
@@ -606,7 +605,7 @@ def test_a_replayed_profile_makes_the_controller_ignore_the_clock(tmp_path):
             ctrl.observe_draft_time(seconds / 3, 2, 40.0)
             ctrl.observe_acceptance("ngram", max(ks), min(max(ks), step % 3))
             ctrl.observe_forward(rows, [[1] + [2] * k for k in ks], seconds)
-        return ks, ctrl.stats(), lat.coef.tolist(), ctrl.draft_time
+        return ks, ctrl.acceptance.counts, lat.coef.tolist(), ctrl.draft_time
     assert run([0.001] * 40) == run([0.5, 0.0001] * 20)
     assert replayed_profile(path)[0].coef == pytest.approx(TRUE, rel=1e-6)
     path.write_text(json.dumps({"samples": _grid()}))

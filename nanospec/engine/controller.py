@@ -149,21 +149,17 @@ class Acceptance:
             out.append(min(1.0, r + math.sqrt(r * (1.0 - r) * self.m) / (t + self.m)))
         return out
 
-    def scales(self, source: str, k: int) -> list[float]:
-        """Per position 0..k-1: accepted / claimed of the source's confident drafts, shrunk toward 1
-        (1 before any data; an untried position takes the last measured one's)."""
+    def calibrated(self, source: str, confidence: Sequence[float]) -> list[float]:
+        """Conditional acceptance of each draft: its raw confidence c, scaled by its position's accepted /
+        claimed, shrunk toward 1 (1 before any data; an untried position takes the last measured one's)."""
         tested, acc, claimed = self.counts.get(source, (None, None, None))
         out, s = [], 1.0
-        for j in range(k):
+        for j, c in enumerate(confidence):
             cell = self._cell(j, True)
             if tested is not None and tested[cell]:
                 s = (acc[cell] + self.m) / (claimed[cell] + self.m)
-            out.append(s)
+            out.append(min(1.0, c * s))
         return out
-
-    def calibrated(self, source: str, confidence: Sequence[float]) -> list[float]:
-        """Conditional acceptance of each draft: its raw confidence, scaled by its position's record."""
-        return [min(1.0, c * s) for c, s in zip(confidence, self.scales(source, len(confidence)))]
 
 
 class LengthClasses:
@@ -212,7 +208,6 @@ class DraftController:
         self._clock = 0                               # engine steps observed (the evidence's decay)
         self._progress = [0.0, 0.0, 0.0]              # decayed: row-steps, sum and sum of squares of drafts
                                                       # accepted (how far apart rows drift: `_begin`)
-        self.reset_stats()
 
     # ---- the rule -----------------------------------------------------------------------------------
     def _begin(self, seqs, draining: bool = True) -> dict:
@@ -220,7 +215,7 @@ class DraftController:
         row is worth (the module docstring's worth_i; draining: no request waits for a slot)."""
         B = len(seqs)
         ctx = sum(len(s) for s in seqs) / B
-        st = dict(B=B, ctx=ctx, ks={}, probing={}, observed=set())
+        st = dict(B=B, ctx=ctx, ks={}, probing={})
         if self.latency is not None:
             t_ar = self.latency.predict(B, ctx, 1)
             w = self.latency.predict(0, ctx, 1) if draining else 0.0        # t(0, C, 1): the per-step part
@@ -262,14 +257,12 @@ class DraftController:
         out, ones = [0] * len(seqs), [[1.0] * k for k in caps]
         for n in dict.fromkeys(self.sources + list(self.acceptance.counts)) or [""]:
             cost = self._draft_cost(st, n, len(seqs), sum(lags) / len(lags))
-            if n in self.confident:   # rates each draft itself (clip): asked for the cap on every row
-                best = self.acceptance.calibrated(n, [1.0] * max(caps))        # where a draft claiming 1
-                best = list(itertools.accumulate(best, operator.mul))          # would pay
-                keep = self._solve(st, [best[:k] for k in caps], *cost)[0]
-                ks = [k if kept else 0 for k, kept in zip(caps, keep)]
-            else:
-                rates = list(itertools.accumulate(self.acceptance.rates(n, max(caps)), operator.mul))
-                ks = self._solve(st, [rates[:k] for k in caps], *cost)[0]
+            cond = self.acceptance.calibrated(n, [1.0] * max(caps)) if n in self.confident \
+                else self.acceptance.rates(n, max(caps))              # a confident source: a draft claiming 1
+            probs = list(itertools.accumulate(cond, operator.mul))
+            ks = self._solve(st, [probs[:k] for k in caps], *cost)[0]
+            if n in self.confident:   # it rates each draft itself (clip): asked for the cap wherever it pays
+                ks = [k if kept else 0 for k, kept in zip(caps, ks)]
             gap = self._gap.setdefault(n, [0, self.probe_every])
             gap[0] += 1          # steps since clip() last kept its drafts on their price (it resets it)
             if any(ks) and n not in self.confident:       # a rate source back on: its backoff restarts
@@ -357,34 +350,15 @@ class DraftController:
         """One verify row: `proposed` drafts of `source`, the first `accepted` of them accepted."""
         self.acceptance.observe(source, proposed, accepted, confidence, self._clock)
         self._progress[1:] = [self._progress[1] + accepted, self._progress[2] + accepted ** 2]
-        if self._step is not None:
-            self._step["observed"].add(source)
-        drafted = self._drafted.setdefault(source, [0, 0])
-        drafted[0], drafted[1] = drafted[0] + 1, drafted[1] + proposed
 
     def observe_forward(self, seqs, tokens, seconds: float, prefill: bool = False) -> None:
         """The end of a step (prefill or decode): its target forward + verify took `seconds`."""
         st, self._step = self._step or self._begin(seqs), None
-        self._steps, self._clock = self._steps + 1, self._clock + 1
+        self._clock += 1
         self._progress = [x * 0.99 for x in self._progress]
         self._progress[0] += len(seqs)
-        self._on_steps += bool(st["observed"])
         if self.latency is not None and not self.replay and not prefill:   # a prefill's Q is a prompt
             self.latency.observe(st["B"], st["ctx"], sum(map(len, tokens)) / st["B"], seconds)
-
-    def stats(self) -> dict:
-        out = {"spec_on_frac": self._on_steps / max(self._steps, 1)}
-        lens = {n: tokens / rows for n, (rows, tokens) in self._drafted.items() if rows}
-        out.update({f"drafter/{n}/draft_len": k for n, k in lens.items()})
-        rows = sum(r for r, _ in self._drafted.values())
-        out["draft_len_mean"] = sum(t for _, t in self._drafted.values()) / rows if rows else 0.0
-        return out
-
-    def reset_stats(self) -> None:
-        """A new rollout step: the counters restart; what was learned, the probe backoff included, stays
-        (one step of weights moves acceptance little)."""
-        self._steps = self._on_steps = 0
-        self._drafted: dict[str, list[int]] = {}       # source -> [verify rows, drafts verified]
 
 
 def build_controller(cfg, llm) -> DraftController | None:

@@ -401,6 +401,7 @@ class LLM:
                     self.drafter.free(s)
                 finished.append(s)
         self.stats["seq_forwards"] += B
+        self.stats["drafting_steps"] += K > 0       # the steps the toggle had on (spec_on_frac)
         return finished
 
     def _uniforms(self, seqs, drafts, K: int, all_greedy: bool) -> torch.Tensor:
@@ -548,11 +549,14 @@ class LLM:
 
 def summarize(stats: dict, lossy: bool) -> dict:
     """Raw counters (`LLM.stats`, or their sum over ranks) -> flat derived stats: target forwards per
-    token, mean accepted length (accepted + 1 per verify step), per-drafter `drafter/<name>/...`."""
+    token, mean accepted length (accepted + 1 per verify step), draft length (drafts per verify row),
+    the share of steps that verified drafts, per-drafter `drafter/<name>/...`."""
     out = {k: v for k, v in stats.items() if k != "per_drafter"}
     tokens = max(stats["generated_tokens"], 1)
     out["target_forwards_per_token"] = stats["seq_forwards"] / tokens
     out["mean_accepted_len"] = (stats["accepted_tokens"] + stats["verify_steps"]) / max(stats["verify_steps"], 1)
+    out["draft_len_mean"] = stats["proposed_tokens"] / max(stats["verify_steps"], 1)
+    out["spec_on_frac"] = stats["drafting_steps"] / max(stats["target_forwards"], 1)
     out["acceptance_rate"] = stats["accepted_tokens"] / max(stats["proposed_tokens"], 1)
     out["lossy"] = lossy
     for name, d in stats["per_drafter"].items():
@@ -561,4 +565,5 @@ def summarize(stats: dict, lossy: bool) -> dict:
         out[pre + "verify_steps"] = d["verify_steps"]
         out[pre + "acceptance_rate"] = d["accepted"] / max(d["proposed"], 1)
         out[pre + "mean_accepted_len"] = (d["accepted"] + d["verify_steps"]) / max(d["verify_steps"], 1)
+        out[pre + "draft_len"] = d["proposed"] / max(d["verify_steps"], 1)
     return out

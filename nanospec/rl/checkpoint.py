@@ -234,7 +234,7 @@ def flat_loads(data: bytes):
     return Flat(io.BytesIO(root)).load()
 
 
-ENGINE_STATE_VERSION = 8      # 8: Acceptance scales confidences per position (no bins)
+ENGINE_STATE_VERSION = 9      # 9: the controller keeps no stats (the engine counts them)
 
 
 def engine_state(llm) -> dict:

@@ -154,8 +154,6 @@ class RolloutWorker:
         pred = [self.predict(p) for p in problems]
         assignment = assign_prompts(pred, self.world, self.cfg.speculation.length_aware_assignment)
         llm.reset_stats()
-        if llm.controller is not None:
-            llm.controller.reset_stats()
         with no_gc_pauses():
             t0 = time.perf_counter()
             groups = [(i, self._add(problems[i], pred[i], i)) for i in assignment[self.rank]]  # longest first
@@ -164,7 +162,6 @@ class RolloutWorker:
                 llm.step()
             t_busy = time.perf_counter()
             stats = _plain_stats(llm.stats)
-            pstats = llm.controller.stats() if llm.controller is not None else {}
             signal = dist.DoneSignal()
             signal.arrive()
             drafts, t_draft = [], 0.0
@@ -174,7 +171,7 @@ class RolloutWorker:
             signal.wait()
             t_done = time.perf_counter()
             mine = dict(busy=t_busy - t0, bubble=t_done - t_busy, draft_time=t_draft, wall=t_done - t0,
-                        stats=stats, policy=pstats, drafts=drafts,
+                        stats=stats, drafts=drafts,
                         lengths={i: [s.num_completion_tokens for s in seqs] for i, seqs in groups},
                         forwards={i: [(s.num_forwards, s.num_drafted) for s in seqs] for i, seqs in groups})
             ranks = dist.all_gather_object(mine, self.group)
@@ -266,16 +263,15 @@ class RolloutWorker:
                    prompt_rank=[rank_of[i] for i in range(len(problems))])
         for k in ("seq_forwards", "generated_tokens", "verify_steps", "proposed_tokens", "accepted_tokens"):
             out[f"rank_{k}"] = [r["stats"].get(k, 0) for r in ranks]
-        if all("spec_on_frac" in r["policy"] for r in ranks):
-            out["rank_spec_on_frac"] = [r["policy"]["spec_on_frac"] for r in ranks]
+        out["rank_spec_on_frac"] = [r["stats"].get("drafting_steps", 0) / max(r["stats"].get("target_forwards", 0), 1)
+                                    for r in ranks]
         return out
 
     def _merged_stats(self, ranks: list[dict]) -> tuple[dict, dict, dict]:
-        """Engine counters summed over ranks (per drafter too) -> (metrics, sums, per-drafter sums);
-        the controller's stats (spec_on_frac, draft_len_mean, ...) averaged over the ranks that have them."""
+        """Engine counters summed over ranks (per drafter too) -> (metrics, sums, per-drafter sums)."""
         merged, per = defaultdict(int), defaultdict(lambda: defaultdict(int))
         for k in ("target_forwards", "seq_forwards", "generated_tokens", "prefill_tokens", "verify_steps",
-                  "proposed_tokens", "accepted_tokens"):
+                  "proposed_tokens", "accepted_tokens", "drafting_steps"):
             merged[k] += 0                      # present (as 0) even in a step without drafts
         for r in ranks:
             for k, v in r["stats"].items():
@@ -286,9 +282,6 @@ class RolloutWorker:
                     per[name][k] += v
         merged["per_drafter"] = per
         m = summarize(merged, lossy=bool(self.llm.drafter is not None and self.llm.drafter.lossy))
-        for key in {k for r in ranks for k in r["policy"]}:
-            vals = [r["policy"][key] for r in ranks if key in r["policy"]]
-            m[key] = sum(vals) / len(vals)
         return m, merged, per
 
     def _bubble_recovery(self, accepted: int) -> dict:
