@@ -219,14 +219,14 @@ class DraftController:
         if self.latency is not None:
             t_ar = self.latency.predict(B, ctx, 1)
             w = self.latency.predict(0, ctx, 1) if draining else 0.0        # t(0, C, 1): the per-step part
-            left = [s.params.max_tokens - s.num_completion_tokens for s in seqs]
+            left = [max(0, s.params.max_tokens - s.num_completion_tokens) for s in seqs]   # tokens to go
             most = max(left)
             rows, s1, s2 = self._progress
             var = max(0.0, s2 / rows - (s1 / rows) ** 2) if rows else 0.0
             sigma = max(1.0, math.sqrt(most * var))       # how far the rows may drift apart, tokens
             last = [math.exp((n - most) / sigma) for n in left]           # lead = most - n
             r, share = (t_ar - w) / B, w / sum(last)
-            st.update(t_ar=t_ar, c=self.latency.token_cost(ctx), v=self.latency.verify_overhead,
+            st.update(t_ar=t_ar, c=self.latency.token_cost(ctx), v=self.latency.verify_overhead, left=sum(left),
                       worth=[r + share * x for x in last])
         return st
 
@@ -286,8 +286,7 @@ class DraftController:
         any_k, per = self._draft_cost(st, source, len(rows))
         cost = any_k + per * k + st["v"] + st["c"] * k * len(rows)
         keep, s1 = self._solve(st, ones, *self._draft_cost(st, source, len(seqs)))      # acceptance 1
-        left = sum(max(0, s.params.max_tokens - s.num_completion_tokens) for s in seqs)
-        if not any(keep) or cost > self.probe_fraction * (1 - 1 / s1) * left / st["B"] * st["t_ar"]:
+        if not any(keep) or cost > self.probe_fraction * (1 - 1 / s1) * st["left"] / st["B"] * st["t_ar"]:
             return [0] * len(seqs)
         gap[:] = [0, min(2 * gap[1], self.probe_every_max)]
         st["probing"][source] = k                            # tokens a probe row keeps (`clip`)
