@@ -401,7 +401,7 @@ class LLM:
                     self.drafter.free(s)
                 finished.append(s)
         self.stats["seq_forwards"] += B
-        self.stats["drafting_steps"] += K > 0       # the steps the toggle had on (spec_on_frac)
+        self.stats["drafting_steps"] += K > 0       # steps that verified drafts (spec_on_frac)
         return finished
 
     def _uniforms(self, seqs, drafts, K: int, all_greedy: bool) -> torch.Tensor:

@@ -264,7 +264,7 @@ class RolloutWorker:
         for k in ("seq_forwards", "generated_tokens", "verify_steps", "proposed_tokens", "accepted_tokens"):
             out[f"rank_{k}"] = [r["stats"].get(k, 0) for r in ranks]
         out["rank_spec_on_frac"] = [r["stats"].get("drafting_steps", 0) / max(r["stats"].get("target_forwards", 0), 1)
-                                    for r in ranks]
+                                    for r in ranks]                   # a rank may have had no prompt
         return out
 
     def _merged_stats(self, ranks: list[dict]) -> tuple[dict, dict, dict]:
