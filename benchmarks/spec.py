@@ -21,8 +21,6 @@ import argparse
 import time
 from pathlib import Path
 
-import torch
-
 from nanospec import LLM, SamplingParams
 
 PRIOR, SUFFIX = {"method": "prior", "num_draft_tokens": 8}, {"method": "suffix", "num_draft_tokens": 8}
