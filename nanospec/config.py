@@ -33,6 +33,7 @@ TASKS = {"synthetic": "nanospec.tasks.synthetic:SyntheticTask", "arith": "nanosp
          "dataset": "nanospec.tasks.dataset:DatasetTask"}
 LOSS_TYPES = ("grpo", "dapo")                        # rl/loss.py
 TIS_MODES = ("truncate", "mask")                     # rl/loss.py
+HEAD_TRAINING = ("step", "off")                      # rl/grpo.py: the draft head's online updates
 
 
 @dataclass
@@ -207,11 +208,16 @@ class SpeculationConfig:
     # Repeatable runs (tests, exact resume checks): the two choices made from wall-clock time, fixed
     latency_profile: str | None = None  # a profile JSON whose cost model replaces the clock (latency.py)
     bubble_token_budget: int | None = None  # null: bubble-draft until the last rank ends; N: N tokens
+    # a `head` drafter (drafters/head.py): where it learns from the rollouts, and how fast
+    head_training: str = "step"         # step: after each weight sync, on the trainer's hidden states | off: frozen
+    head_lr: float = 3e-4
 
     def rules(self):
         c, b = self.length_classes, self.length_class_budgets
         p, n = self.latency_profile, self.bubble_token_budget
-        return [("latency_profile", p is None or Path(p).is_file(), "null or an existing profile JSON file"),
+        return [("head_training", self.head_training in HEAD_TRAINING, _one_of(HEAD_TRAINING)),
+                ("head_lr", self.head_lr > 0, "> 0"),
+                ("latency_profile", p is None or Path(p).is_file(), "null or an existing profile JSON file"),
                 ("bubble_token_budget", n is None or (is_int(n) and n >= 1), "null or an int >= 1"),
                 ("length_classes", all(t > 0 for t in c) and all(x < y for x, y in zip(c, c[1:])),
                  "strictly increasing lengths > 0 ([] = off)"),

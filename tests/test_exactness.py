@@ -239,7 +239,8 @@ PROMPT = [1, 2, 3, 1, 2]
 TEMP1 = SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS)
 FILTERED = SamplingParams(temperature=0.9, top_k=5, top_p=0.85, max_tokens=MAX_TOKENS)
 TEMP07 = SamplingParams(temperature=0.7, max_tokens=MAX_TOKENS)
-PARAMS = {"temp1": TEMP1, "filtered": FILTERED, "temp07": TEMP07}
+TOP_P06 = SamplingParams(temperature=0.6, top_p=0.9, max_tokens=MAX_TOKENS)
+PARAMS = {"temp1": TEMP1, "filtered": FILTERED, "temp07": TEMP07, "top_p06": TOP_P06}
 
 
 @pytest.fixture(scope="module")
@@ -297,7 +298,7 @@ def exact_distribution(model, params, swap_filters=False):
 @pytest.fixture(scope="module")
 def exact(v8):
     return {"temp1": exact_distribution(v8, TEMP1), "filtered": exact_distribution(v8, FILTERED),
-            "temp07": exact_distribution(v8, TEMP07)}
+            "temp07": exact_distribution(v8, TEMP07), "top_p06": exact_distribution(v8, TOP_P06)}
 
 
 def test_reference_tells_the_filter_order_apart(v8, exact):
@@ -436,11 +437,12 @@ def v8_draft(tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("key", ["temp1", "temp07", "filtered"])
-@pytest.mark.parametrize("method", ["self", "draft_model"])
+@pytest.mark.parametrize("key", ["temp1", "temp07", "filtered", "top_p06"])
+@pytest.mark.parametrize("method", ["self", "draft_model", "head"])
 def test_model_drafters_sampling_from_q_are_exact(v8, v8_draft, exact, method, key):
-    """The nf4 self-drafter and a draft model sample d ~ q and report that q: exact at T=1, T<1 and with
-    top-k/top-p. A drafter that emitted argmax(q) while reporting q would fail here (tried: p < 1e-30)."""
+    """The nf4 self-drafter, a draft model and a (fresh) draft head sample d ~ q and report that q: exact
+    at T=1, T<1 and with top-k/top-p. A drafter that emitted argmax(q) while reporting q fails here
+    (tests/test_head.py: p < 1e-30)."""
     spec = {"method": method, "num_draft_tokens": K}
     if method == "draft_model":
         spec["model"] = v8_draft

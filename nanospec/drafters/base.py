@@ -9,7 +9,8 @@ them in one batched forward (engine/verify.py). Two kinds exist:
   q, and exact verification needs q itself (Leviathan et al. 2023, Alg. 1). They return
   `q: [B, k_max, V]` with the same temperature/top-k/top-p processing as the target.
 
-Lifecycle hooks, all optional: `observe(seq)` when a sequence finishes (history-based drafters learn
+Lifecycle hooks, all optional: `observe_hidden(...)` after a forward (only `wants_hidden` drafters),
+`observe(seq)` when a sequence finishes (history-based drafters learn
 from it), `free(seq)` when a sequence leaves the engine (finished or aborted; drop per-seq state),
 `refresh(model)` after each policy update (weight sync), `next_step()` once per rollout step.
 """
@@ -66,6 +67,7 @@ class Drafter:
     needs_kv: bool = False     # True: the engine runs prefill(seqs) for it (own KV cache)
     lossy: bool = False        # True only for explicitly lossy modes (e.g. prior-rollout lenience)
     confident: bool = False    # True: propose() fills Proposal.confidence
+    wants_hidden: bool = False # True: the engine calls observe_hidden after every forward (a draft head)
 
     @property
     def sources(self) -> tuple[str, ...]:
@@ -82,6 +84,12 @@ class Drafter:
     def draft_one(self, seq: Sequence, k: int) -> list[int]:
         """At most k draft tokens for one sequence (used by the default `propose`)."""
         raise NotImplementedError
+
+    def observe_hidden(self, seqs: list[Sequence], starts: list[int], counts: list[int],
+                       hidden: torch.Tensor) -> None:
+        """The target's final hidden states [B, Q, D] of the last forward: row b's first counts[b] are
+        those of positions starts[b].., the ones the sequence kept (its prompt, or last token + accepted
+        drafts). Only for drafters with `wants_hidden` (drafters/head.py); the others never see them."""
 
     def observe(self, seq: Sequence) -> None:
         """A sequence finished: its prompt and completion may be used as future drafts."""

@@ -30,6 +30,7 @@ class ChainDrafter(Drafter):
         self.needs_kv = any(d.needs_kv for d in self.drafters)
         self.lossy = any(d.lossy for d in self.drafters)
         self.confident = any(d.confident for d in self.drafters)
+        self.wants_hidden = any(d.wants_hidden for d in self.drafters)
 
     @property
     def sources(self) -> tuple[str, ...]:
@@ -87,6 +88,11 @@ class ChainDrafter(Drafter):
         for d in self.drafters:
             if d.needs_kv:
                 d.prefill(seqs, *args, **kwargs)
+
+    def observe_hidden(self, *args) -> None:
+        for d in self.drafters:
+            if d.wants_hidden:
+                d.observe_hidden(*args)
 
     def observe(self, seq: Sequence) -> None:
         for d in self.drafters:

@@ -59,7 +59,7 @@ class ModelDrafter(Drafter):
         self.quantized = quantized or {}                       # policy module name -> its Linear4bit
 
     @torch.inference_mode()
-    def prefill(self, seqs: list[Sequence], tokens: list[list[int]], starts: list[int]) -> None:
+    def prefill(self, seqs: list[Sequence], tokens: list[list[int]], starts: list[int], hidden=None) -> None:
         self.runner.forward(seqs, tokens, starts)
         for s, t, a in zip(seqs, tokens, starts):
             s.num_draft_computed = a + len(t)

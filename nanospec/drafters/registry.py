@@ -35,6 +35,8 @@ METHODS = {
                        own_kv=True),
     "draft_model": Method("nanospec.drafters.model_drafter:draft_model_drafter", ("model", "seed"),
                           needs_target=True, own_kv=True),
+    "head": Method("nanospec.drafters.head:head_drafter", ("model", "draft_vocab", "seed"), needs_target=True,
+                   own_kv=True),
     "suffix_mlp": Method("nanospec.drafters.suffix_mlp:suffix_mlp_drafter",
                          ("model", "override", "min_mlp_prob", "min_path_prob", "learn_epochs", "learn_lr",
                           "buffer", "seed"), needs_target=True),
@@ -73,6 +75,10 @@ def rules(spec, key: str = "speculative", default_k: int | None = DEFAULT_DRAFT_
         if m == "draft_model":
             out.append((f"{at}.model", isinstance(s.get("model"), str),
                         "a draft model directory (method draft_model needs `model`)", s.get("model")))
+        if m == "head":
+            dv = s.get("draft_vocab")
+            out.append((f"{at}.draft_vocab", dv is None or (isinstance(dv, int) and not isinstance(dv, bool) and dv >= 1),
+                        "null or an int >= 1 (at most the model's vocabulary)", dv))
         lenience = s.get("lenience", 1.0)
         number = isinstance(lenience, (int, float)) and not isinstance(lenience, bool)
         out.append((f"{at}.lenience", number and lenience >= 1, "1 (exact) or > 1 (LOSSY, method prior only)",

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+import itertools
 import os
 import time
 from collections import defaultdict
@@ -301,7 +302,7 @@ class LLM:
         self.stats["target_forwards"] += 1
         self.stats["prefill_tokens"] += sum(b - a for a, b in zip(starts, ends))
         if self.prefills_draft_kv:
-            self.drafter.prefill(seqs, tokens, starts)
+            self.drafter.prefill(seqs, tokens, starts, hidden if self.drafter.wants_hidden else None)
         for s, b in zip(seqs, ends):
             s.num_computed = b
         finished = []
@@ -329,7 +330,10 @@ class LLM:
         flat = torch.tensor(flat, device=self.device)
         logits = self.model.logits(hidden.flatten(0, 1).index_select(0, flat))   # [N, V]
         self.stats["target_forwards"] += 1
+        starts = [len(s) - 1 for s in seqs]
         finished = self._verify_and_append(seqs, logits, proposal, torch.tensor(index, device=self.device))
+        if self.speculate and self.drafter is not None and self.drafter.wants_hidden:   # a draft head's inputs:
+            self.drafter.observe_hidden(seqs, starts, [s.num_computed - a for s, a in zip(seqs, starts)], hidden)
         if self.controller is not None:
             self.controller.observe_forward(seqs, tokens, time.perf_counter() - t0)
         return finished
@@ -492,6 +496,9 @@ class LLM:
         per["verify_steps"] += 1
         per["proposed"] += proposed
         per["accepted"] += accepted
+        for j in range(1, min(proposed, accepted + 1) + 1):    # draft j was tried (d_1..d_{j-1} accepted)
+            per[f"tried_{j}"] += 1
+            per[f"accepted_{j}"] += j <= accepted
         if self.controller is not None:
             self.controller.observe_acceptance(source, proposed, accepted, confidence)
 
@@ -566,4 +573,8 @@ def summarize(stats: dict, lossy: bool) -> dict:
         out[pre + "acceptance_rate"] = d["accepted"] / max(d["proposed"], 1)
         out[pre + "mean_accepted_len"] = (d["accepted"] + d["verify_steps"]) / max(d["verify_steps"], 1)
         out[pre + "draft_len"] = d["proposed"] / max(d["verify_steps"], 1)
+        for j in itertools.count(1):     # acceptance by draft position: P(d_j accepted | d_1..d_{j-1} were)
+            if not d.get(f"tried_{j}"):
+                break
+            out[pre + f"accept_pos{j}"] = d[f"accepted_{j}"] / d[f"tried_{j}"]
     return out

@@ -327,8 +327,9 @@ class CausalLM(nn.Module):
         if args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids, positions=None, kv: PagedKV | None = None):
-        """input_ids, positions: [B, Q] -> final hidden states [B, Q, D] (call `logits` on what you need)."""
+    def forward(self, input_ids, positions=None, kv: PagedKV | None = None, features=None):
+        """input_ids, positions: [B, Q] -> final hidden states [B, Q, D] (call `logits` on what you need).
+        features: [N, D] per real token, only for a draft head (drafters/head.py: `embed`)."""
         a = self.args
         B, Q = input_ids.shape
         if positions is None:
@@ -339,7 +340,7 @@ class CausalLM(nn.Module):
         flat_ids, flat_pos = input_ids.reshape(-1), positions.reshape(-1)
         if index is not None:
             flat_ids, flat_pos = flat_ids.index_select(0, index), flat_pos.index_select(0, index)
-        x = self.model.embed_tokens(flat_ids)                                    # [N, D]
+        x = self.embed(flat_ids, features)                                       # [N, D]
         rotary = self.rotary(flat_pos, Q)
         mask = paged = None
         if kv is not None:
@@ -360,6 +361,10 @@ class CausalLM(nn.Module):
         if index is not None:
             x = x.new_zeros(B * Q, x.shape[-1]).index_copy_(0, index, x)
         return x.view(B, Q, -1)
+
+    def embed(self, ids, features=None):
+        """[N] token ids -> [N, D] inputs of the first layer (a draft head mixes in the target's features)."""
+        return self.model.embed_tokens(ids)
 
     def query_groups(self, positions, key_slots, index, dtype) -> list:
         """The small-Q attention's row groups: (rows, query width, their key slots, their bias). A ragged
@@ -401,6 +406,6 @@ class CausalLM(nn.Module):
         Indexed by slot like that, but stored head-major ([L, 2, n_kv, slots, hd] permuted): gathering a
         sequence's keys then yields [n_kv, B, C, hd] blocks that batched matmuls read without a copy."""
         a = self.args
-        p = self.model.embed_tokens.weight
+        p = next(self.parameters())
         return torch.zeros(a.num_layers, 2, a.num_kv_heads, (num_blocks + 1) * block_size, a.head_dim,
                            dtype=p.dtype, device=p.device).transpose(2, 3)

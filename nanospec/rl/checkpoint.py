@@ -68,10 +68,11 @@ def _sha256(path: Path) -> str:
 
 def save_checkpoint(run_dir, step: int, model, tokenizer, trainer_state: dict, rank_state: dict, *,
                     rank: int = 0, world_size: int = 1, barrier=lambda: None, keep: int = 2,
-                    sharded: dict | None = None) -> Path:
+                    sharded: dict | None = None, extras: dict | None = None) -> Path:
     """Collective (every rank calls it): writes step `step`, keeps the newest `keep` checkpoints.
     `model`: a whole-weight CausalLM, written by rank 0 (HF layout); `sharded`: a state dict of DTensors
-    every rank writes its shards of with DCP (dcp/)."""
+    every rank writes its shards of with DCP (dcp/); `extras`: {subdirectory: writer(path)} rank 0 adds
+    (the draft head's HF-style export)."""
     root = ckpt_root(run_dir)
     tmp, final = root / f".tmp_step_{step:06d}", root / f"step_{step:06d}"
     if rank == 0:
@@ -87,6 +88,8 @@ def save_checkpoint(run_dir, step: int, model, tokenizer, trainer_state: dict, r
     if rank == 0:
         save_model(model, tmp, tokenizer)
         torch.save(trainer_state, tmp / "trainer_state.pt")
+        for name, write in (extras or {}).items():
+            write(tmp / name)
         fault_point("save", step, rank)
         files = {}
         for p in sorted(p for p in tmp.rglob("*") if p.is_file()):

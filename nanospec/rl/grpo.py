@@ -52,6 +52,7 @@ from nanospec.config import config_to_dict, save_config, validate_world
 from nanospec.rl.dist import all_reduce_grads, hash_seed
 from nanospec.rl.faults import fault_point
 from nanospec.drafters.chain import find_drafter, members
+from nanospec.drafters.head import completion_mask, head_loss
 from nanospec.engine.llm import LLM, frozen_heap
 from nanospec.models.hub import resolve_model
 from nanospec.models.loader import load_model
@@ -128,9 +129,10 @@ def micro_batches(samples: list[Sample], accumulation_steps: int, max_tokens: in
     return out
 
 
-def completion_logprobs(model, mb: MicroBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+def completion_logprobs(model, mb: MicroBatch, temperature: float):
     """Plain causal forward -> (log softmax(logits / T)[token], entropy of softmax(logits / T)) at each
-    completion position, both [B, T]; the entropy carries no grad.
+    completion position, both [B, T], and the hidden states [B, L, D] (a draft head learns from them);
+    the entropy carries no grad.
 
     The [tokens, vocab] logits are the largest tensor of a step (a real 49k vocabulary: 200 KB per
     token in fp32, more than the whole decoder's activations), so they exist one chunk of
@@ -148,7 +150,7 @@ def completion_logprobs(model, mb: MicroBatch, temperature: float) -> tuple[torc
                                              use_reentrant=False) if torch.is_grad_enabled()
            else chunk(h[:, i:i + LOGIT_CHUNK], tokens[:, i:i + LOGIT_CHUNK])
            for i in range(0, B * T, LOGIT_CHUNK)]
-    return (torch.cat([lp for lp, _ in out], 1).view(B, T), torch.cat([e for _, e in out], 1).view(B, T))
+    return (torch.cat([lp for lp, _ in out], 1).view(B, T), torch.cat([e for _, e in out], 1).view(B, T), hidden)
 
 
 class DrafterMonitor:
@@ -265,6 +267,13 @@ class Trainer:
         self.worker = RolloutWorker(self.llm, self.tokenizer, cfg, self.rank, self.world,
                                     dist.new_group() if g.max_staleness else None)
         self.version, self.pending = 0, None    # engine weights' policy version; the rollout made ahead
+        # a draft head learns online (drafters/head.py): the trainer's copy, synced into the engine's
+        self.head_drafter = find_drafter(self.llm.drafter, "head")
+        self.head = self.head_opt = None
+        self._head_batches = []        # (ids, hidden, mask) of this step's trainer forwards
+        if self.head_drafter is not None and cfg.speculation.head_training == "step":
+            self.head = self.head_drafter.head.twin(torch.float32).train()
+            self.head_opt = torch.optim.AdamW(self.head.parameters(), lr=cfg.speculation.head_lr)
         self.opt = torch.optim.AdamW(self.policy.parameters(), lr=g.learning_rate, weight_decay=g.weight_decay)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: min(1.0, (s + 1) / (g.warmup_steps + 1)))
         self.monitor, self.step, self.eval_before, self._perms = DrafterMonitor(), 0, None, {}
@@ -340,9 +349,14 @@ class Trainer:
             self.opt.zero_grad(set_to_none=True)
             loss_sum = 0.0
             for i, mb in enumerate(mbs):
-                logp, ent = completion_logprobs(self.policy, mb, g.temperature)            # [B, T] each
+                logp, ent, hidden = completion_logprobs(self.policy, mb, g.temperature)    # [B, T] each
                 if it == 0:
                     old.append(logp.detach())
+                    if self.head is not None:
+                        prompt = (mb.pos[:, 0] + 1).tolist()
+                        ends = [p + int(n) for p, n in zip(prompt, mb.mask.sum(1).tolist())]
+                        self._head_batches.append((mb.ids, hidden.detach(),
+                                                   completion_mask(prompt, ends, mb.ids.shape[1])))
                     entropy += float((ent * mb.mask).sum())
                     with torch.no_grad():
                         ref.append(completion_logprobs(self.ref, mb, g.temperature)[0] if self.ref is not None else None)
@@ -403,6 +417,26 @@ class Trainer:
         self.sched.step()
         return float(norm)
 
+    def train_head(self) -> dict:
+        """One AdamW step of the draft head on this step's trainer hidden states (collective), then
+        into the engine's head. Its teacher reads the engine's LM head, synced just before."""
+        t0, batches, self._head_batches = time.perf_counter(), self._head_batches, []
+        counts = self._all_reduce(torch.tensor([float(sum(m.sum() for _, _, m in batches))], dtype=torch.float64))
+        n = max(float(counts[0]), 1.0)
+        self.head_opt.zero_grad(set_to_none=True)
+        loss_sum = 0.0
+        for ids, hidden, mask in batches:
+            loss, _ = head_loss(self.head, hidden, ids, mask)
+            (loss / n).backward()
+            loss_sum += float(loss.detach())
+        params = list(self.head.parameters())
+        all_reduce_grads(params)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        self.head_opt.step()
+        self.head_drafter.load_head_state(self.head.state_dict())
+        loss_sum = float(self._all_reduce(torch.tensor([loss_sum], dtype=torch.float64))[0])
+        return {"head/loss": loss_sum / n, "head/positions": int(n), "head/time": time.perf_counter() - t0}
+
     def sync_weights(self) -> float:
         t0 = time.perf_counter()
         with torch.no_grad():
@@ -452,13 +486,14 @@ class Trainer:
         t_joined = time.perf_counter()
         self.llm.wake_up()     # (after level 2: weights allocated, filled by the sync)
         t_sync = self.sync_weights()
+        head = self.train_head() if self.head is not None else {}
         self.version = step + 1
         m, nxt = ro.metrics, self.pending
         overlap = max(0.0, min(nxt.end, t_learned) - max(nxt.start, t_learn)) if nxt is not None else 0.0
         m.update(staleness=step - ro.version, time_overlap=overlap, time_wait_rollout=t_joined - t_learned)
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20     # KiB on Linux -> GiB
         recs = dist.all_gather_object(dict(rec, rollout_time=ro.end - ro.start, peak_rss=rss))
-        m.update(self._merge(recs), step=step, time_weight_sync=t_sync, lr=self.sched.get_last_lr()[0],
+        m.update(self._merge(recs), **head, step=step, time_weight_sync=t_sync, lr=self.sched.get_last_lr()[0],
                  rank_peak_rss_gib=[r["peak_rss"] for r in recs], rank_train_state_gib=[r["state_gib"] for r in recs],
                  rank_train_time=[r["time"] for r in recs], time_train=max(r["time"] for r in recs),
                  rank_rollout_time=[r["rollout_time"] for r in recs])
@@ -546,12 +581,14 @@ class Trainer:
     def save(self) -> Path:
         ts = {"step": self.step, "optimizer": None if self.sharded else self.opt.state_dict(),
               "scheduler": self.sched.state_dict(),
-              "eval_before": self.eval_before, "monitor": vars(self.monitor), "config": config_to_dict(self.cfg)}
+              "eval_before": self.eval_before, "monitor": vars(self.monitor), "config": config_to_dict(self.cfg),
+              "head": None if self.head is None else {"model": self.head.state_dict(), "optimizer": self.head_opt.state_dict()}}
         rs = {"rng": rng_state(), "worker": self.worker.state_dict(), "engine": engine_state(self.llm),
               "pending": self.pending}     # off-policy: the rollout made ahead, not yet trained on
         return save_checkpoint(self.run_dir, self.step, self.whole_policy() if self.sharded else self.policy,
                                self.tokenizer, ts, rs, rank=self.rank, world_size=self.world, barrier=dist.barrier,
-                               sharded=training_state(self.policy, self.opt) if self.sharded else None)
+                               sharded=training_state(self.policy, self.opt) if self.sharded else None,
+                               extras={"draft_head": self.head.save} if self.head is not None else None)
 
     def whole_policy(self):
         """Sharded: a model with the policy's whole weights for the HF export (read on rank 0). The
@@ -584,6 +621,10 @@ class Trainer:
             self.opt.load_state_dict(ts["optimizer"])
         self.sched.load_state_dict(ts["scheduler"])
         self.step, self.eval_before = ts["step"], ts["eval_before"]
+        if self.head is not None and ts.get("head") is not None:
+            self.head.load_state_dict(ts["head"]["model"])
+            self.head_opt.load_state_dict(ts["head"]["optimizer"])
+            self.head_drafter.load_head_state(self.head.state_dict())
         vars(self.monitor).update(ts["monitor"])
         if rs is None:       # another world size: per-rank state has no owner here
             if self.cfg.grpo.max_staleness:

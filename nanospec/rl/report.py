@@ -122,7 +122,20 @@ def headline(recs) -> dict:
         "rollout time per step (s)": _mean(_series(recs, "time_rollout")[1]),
         "step time (s)": _mean(_series(recs, "time_step")[1]),
         "tokens/s": _mean(_series(recs, "tokens_per_s")[1]),
+        "draft head: acceptance at positions 1-4": _head_positions(recs),
+        "draft head: loss, first / last step": _first_last(_series(recs, "head/loss")[1]),
+        "draft head: training time per step (s)": _mean(_series(recs, "head/time")[1]),
     }
+
+
+def _head_positions(recs):
+    """The draft head's acceptance at draft positions 1-4 over the run (None without a head)."""
+    pos = [_mean(_series(recs, f"drafter/head/accept_pos{j}")[1]) for j in range(1, 5)]
+    return None if pos[0] is None else " / ".join("-" if p is None else f"{p:.2f}" for p in pos)
+
+
+def _first_last(xs):
+    return None if not xs else f"{xs[0]:.3f} / {xs[-1]:.3f}"
 
 
 def _figure(w, h):
@@ -382,7 +395,7 @@ def write_report(run_dir, compare_dir=None) -> str:
         lines += ["Several runs in an arm: curves are their per-step mean, bands +-1 std over the runs.", ""]
     heads = [headline(r) for _, r in runs]
     lines += ["| metric | " + " | ".join(l for l, _ in runs) + " |", "|---" * (len(runs) + 1) + "|"]
-    lines += [f"| {k} | " + " | ".join("n/a" if h[k] is None else f"{h[k]:.4g}" for h in heads) + " |" for k in heads[0]]
+    lines += [f"| {k} | " + " | ".join("n/a" if h[k] is None else h[k] if isinstance(h[k], str) else f"{h[k]:.4g}" for h in heads) + " |" for k in heads[0]]
     if any(len(d) > 1 for _, d, _ in arms):
         lines += ["", "## Seeds", ""] + seed_table(arms)
 
