@@ -119,9 +119,14 @@ def rollouts(model_dir, model, tok, opts, workdir) -> list[dict]:
     pool = task.test(opts.prompts * (num_passes if opts.fresh_prompts else 1))
     batch = lambda p: pool[p * opts.prompts:(p + 1) * opts.prompts] if opts.fresh_prompts else pool
     draft = truncated_draft(model_dir, opts.draft_layers, f"{workdir}/draft")
-    variants = [("AR", None, False), (AA, None, False)] + [(f"{n} +policies", s, True) for n, s in DRAFTERS] + \
-               [(n, s, False) for n, s in DRAFTERS if n in PLAIN] + \
-               [(f"{n} k={k}", with_k(s, k), False) for k in opts.fixed_k for n, s in DRAFTERS if n in PLAIN]
+    drafters, plain = DRAFTERS, PLAIN
+    if opts.head:        # a trained draft head (distill_head.py): alone and after the history drafters
+        head = {"method": "head", "model": opts.head, "num_draft_tokens": 8}
+        drafters = DRAFTERS + [("head", head), ("prior+suffix+head", [PRIOR, SUFFIX, head])]
+        plain = PLAIN + ("head", "prior+suffix+head")
+    variants = [("AR", None, False), (AA, None, False)] + [(f"{n} +policies", s, True) for n, s in drafters] + \
+               [(n, s, False) for n, s in drafters if n in plain] + \
+               [(f"{n} k={k}", with_k(s, k), False) for k in opts.fixed_k for n, s in drafters if n in plain]
     if opts.only:                                   # AR, the baseline, always runs
         variants = [v for v in variants if v[0] in ("AR", AA) or v[0] in opts.only.split(",")]
     engines = {}
@@ -202,6 +207,7 @@ def run(args) -> list[dict]:
     ap.add_argument("--skip-engine", action="store_true", help="only the rollout table")
     ap.add_argument("--fixed-k", default="", help="e.g. 1,2,4: also rows '<drafter> k=K', a fixed draft length "
                     "without the controller, to set '+policies' against the best fixed k")
+    ap.add_argument("--head", default=None, help="a draft head directory (distill_head.py): adds its rows")
     opts, _ = ap.parse_known_args(args.extra)
     opts.history = [int(x) for x in opts.history.split(",")]
     opts.fixed_k = [int(x) for x in opts.fixed_k.split(",") if x]

@@ -33,7 +33,7 @@ TASKS = {"synthetic": "nanospec.tasks.synthetic:SyntheticTask", "arith": "nanosp
          "dataset": "nanospec.tasks.dataset:DatasetTask"}
 LOSS_TYPES = ("grpo", "dapo")                        # rl/loss.py
 TIS_MODES = ("truncate", "mask")                     # rl/loss.py
-HEAD_TRAINING = ("step", "off")                      # rl/grpo.py: the draft head's online updates
+HEAD_TRAINING = ("step", "bubble", "off")                      # rl/grpo.py: the draft head's online updates
 
 
 @dataclass
@@ -207,9 +207,11 @@ class SpeculationConfig:
     toggle_min_speedup: float = 1.05    # the one threshold of engine/controller.py's rule
     # Repeatable runs (tests, exact resume checks): the two choices made from wall-clock time, fixed
     latency_profile: str | None = None  # a profile JSON whose cost model replaces the clock (latency.py)
-    bubble_token_budget: int | None = None  # null: bubble-draft until the last rank ends; N: N tokens
+    bubble_token_budget: int | None = None  # null: bubble work until the last rank ends; N: N draft tokens
+                                            # (and a `bubble` head trained on all it recorded)
     # a `head` drafter (drafters/head.py): where it learns from the rollouts, and how fast
-    head_training: str = "step"         # step: after each weight sync, on the trainer's hidden states | off: frozen
+    head_training: str = "step"         # step: after each weight sync, on the trainer's hidden states | bubble:
+                                        # in the rollout's idle time, on the engine's (TLT) | off: frozen
     head_lr: float = 3e-4
 
     def rules(self):

@@ -5,6 +5,7 @@ import json
 import shutil
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -219,3 +220,35 @@ def test_a_frozen_head_is_not_trained(tmp_path):
     assert tr.head is None
     rec = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
     assert "head/loss" not in rec and "drafter/head/proposed" in rec
+
+
+def test_ranks_train_the_head_in_their_bubble(tmp_path):
+    """head_training: bubble on 2 ranks: the rank that finishes first spends its idle time on head
+    gradients from the hidden states its sequences left in the engine; one all-reduced step after the
+    sync keeps both ranks' heads identical. Repeatable mode (bubble_token_budget): every rank trains on
+    all it recorded, whenever the others finish, so the test does not hang on timing."""
+    import torch.multiprocessing as mp
+    cfg = tiny_cfg(tmp_path, rollout__speculative=HEAD, speculation__head_training="bubble", grpo__num_steps=3,
+                   grpo__prompts_per_step=4, speculation__bubble_token_budget=8)
+    mp.spawn(_bubble_rank, args=(str(tmp_path), cfg), nprocs=2, join=True)
+    out = [torch.load(tmp_path / f"head{r}.pt") for r in range(2)]
+    recs = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["head/positions"] > 0 and all(t > 0 for t in r["rank_bubble_train_time"]) for r in recs)
+    assert all(torch.equal(v, out[1][k]) for k, v in out[0].items())    # the ranks' heads: bit for bit
+
+
+def _bubble_rank(rank, tmp, cfg):
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp}/pg", rank=rank, world_size=2)
+    from nanospec.rl.dist import cleanup
+    from nanospec.rl.grpo import Trainer
+    done = False
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            tr = Trainer(cfg, log=lambda *a: None)
+            tr.train()
+        torch.save(tr.head_drafter.head.state_dict(), f"{tmp}/head{rank}.pt")
+        done = True
+    finally:
+        cleanup(sync=done)

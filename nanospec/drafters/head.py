@@ -46,6 +46,7 @@ from nanospec.models.decoder import CausalLM, DecoderLayer, Linear, ModelArgs, R
 
 SHAPE_KEYS = ("arch", "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim")
 REG_WEIGHT = 0.1     # feature regression beside the KL (EAGLE weighs its two losses 1 : 0.1 the other way)
+UNROLL = 2           # passes: the first on the target's features, the rest on the head's own (EAGLE-3's training-time test)
 
 
 class DraftHead(CausalLM):
@@ -147,13 +148,13 @@ def frequent_tokens(sequences: list[list[int]], n: int, always=()) -> torch.Tens
 
 # ---- training ---------------------------------------------------------------------------------------
 def head_loss(head: DraftHead, hidden: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor,
-              unroll: int = 2) -> tuple[torch.Tensor, int]:
+              unroll: int | None = None) -> tuple[torch.Tensor, int]:
     """hidden [B, L, D] (the target's, detached), ids [B, L], mask [B, L-1]: 1 where head position i
     (input h_i, x_{i+1}; predicting x_{i+2} and h_{i+1}) counts. -> (sum of the loss, positions)."""
     h_in, h_next = hidden[:, :-1].float(), hidden[:, 1:].float()                  # [B, L-1, D]
     with torch.no_grad():
         teacher = head.draft_logits(h_next).log_softmax(-1)                     # [B, L-1, Vd]  log p
-    m, total = mask.float(), 0.0
+    m, total, unroll = mask.float(), 0.0, unroll or UNROLL
     features = h_in
     for _ in range(unroll):
         g = head(ids[:, 1:], features=features.reshape(-1, features.shape[-1]))   # [B, L-1, D]
@@ -182,6 +183,12 @@ class HeadDrafter(ModelDrafter):
         super().__init__("head", head, target, seed)
         self.head = head
         self.pending: dict[int, tuple[int, list[torch.Tensor]]] = {}   # seq_id -> (first position, [n_i, D] chunks)
+        # recording (a rank that trains the head in its bubble, rl/rollout.py): every hidden state a
+        # sequence gets, its prompt's from the sibling that prefilled it, and the finished sequences
+        self.recording = False
+        self.trace: dict[int, tuple[int, list[torch.Tensor]]] = {}
+        self.prompts: dict = {}                                          # prompt_key -> [P, D]
+        self.finished: list[tuple[list[int], int, torch.Tensor]] = []    # (token ids, prompt length, [L-1, D])
 
     def observe_hidden(self, seqs: list[Sequence], starts: list[int], counts: list[int], hidden: torch.Tensor):
         """The target's hidden states of positions starts[b] .. + counts[b] (hidden[b, :counts[b]])."""
@@ -194,6 +201,13 @@ class HeadDrafter(ModelDrafter):
                 first, chunks = a, []     # the head's KV before `a` is what the target's blocks hold
                 s.num_draft_computed = a
             self.pending[s.seq_id] = (first, chunks + [hidden[b, :n]])
+            if self.recording:
+                first, chunks = self.trace.get(s.seq_id, (a, []))
+                if a != first + sum(len(c) for c in chunks):
+                    first, chunks = a, []
+                self.trace[s.seq_id] = (first, chunks + [hidden[b, :n].clone()])
+                if first == 0 and a + n >= s.num_prompt_tokens:          # the whole prompt: share it
+                    self.prompts.setdefault(s.prompt_key, torch.cat(self.trace[s.seq_id][1])[:s.num_prompt_tokens])
 
     @torch.inference_mode()
     def prefill(self, seqs, tokens, starts, hidden=None) -> None:
@@ -261,8 +275,32 @@ class HeadDrafter(ModelDrafter):
             g = self.model(ids, pos, kv, g)[:, 0]                                           # [b, D]
         return Proposal(drafts, q, [self.name if d else "" for d in drafts])
 
+    def observe(self, seq: Sequence) -> None:
+        """A finished sequence: with recording on, keep its hidden states for the head's training."""
+        first, chunks = self.trace.pop(seq.seq_id, (0, []))
+        if not self.recording or not chunks or seq.bubble:
+            return
+        h = torch.cat(chunks)
+        if first > 0:                   # its prompt came from the cache: the sibling's hidden states
+            prompt = self.prompts.get(seq.prompt_key)
+            if prompt is None or len(prompt) < first:
+                return
+            h = torch.cat([prompt[:first], h])
+        n = min(len(h), len(seq) - 1)   # the last token was never fed
+        if n >= seq.num_prompt_tokens + 2:
+            self.finished.append((list(seq.token_ids[:n + 1]), seq.num_prompt_tokens, h[:n]))
+
+    def next_step(self) -> None:
+        """A new rollout: what the last one recorded is dropped if no bubble took it (on-policy only)."""
+        self.finished, self.prompts = [], {}
+
+    def take_finished(self) -> list[tuple[list[int], int, torch.Tensor]]:
+        out, self.finished, self.prompts = self.finished, [], {}
+        return out
+
     def free(self, seq: Sequence) -> None:
         self.pending.pop(seq.seq_id, None)
+        self.trace.pop(seq.seq_id, None)
 
     def refresh(self, model: nn.Module) -> None:
         """The policy's LM head moved: the draft-vocabulary rows are gathered again on the next use."""

@@ -271,9 +271,16 @@ class Trainer:
         self.head_drafter = find_drafter(self.llm.drafter, "head")
         self.head = self.head_opt = None
         self._head_batches = []        # (ids, hidden, mask) of this step's trainer forwards
-        if self.head_drafter is not None and cfg.speculation.head_training == "step":
+        self._head_sums = [0.0, 0.0]   # positions, loss: gradients accumulated since the head's last step
+        if self.head_drafter is not None and cfg.speculation.head_training != "off":
             self.head = self.head_drafter.head.twin(torch.float32).train()
             self.head_opt = torch.optim.AdamW(self.head.parameters(), lr=cfg.speculation.head_lr)
+        if self.head is not None and cfg.speculation.head_training == "bubble":
+            if g.max_staleness:
+                raise ValueError("speculation.head_training: 'bubble' trains in the rollout's idle time, which the "
+                                 "off-policy pipeline (grpo.max_staleness 1) fills with learning: use 'step'")
+            self.head_drafter.recording = True
+            self.worker.bubble_train = self.head_bubble
         self.opt = torch.optim.AdamW(self.policy.parameters(), lr=g.learning_rate, weight_decay=g.weight_decay)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: min(1.0, (s + 1) / (g.warmup_steps + 1)))
         self.monitor, self.step, self.eval_before, self._perms = DrafterMonitor(), 0, None, {}
@@ -344,6 +351,7 @@ class Trainer:
         extra = int(self._all_reduce(torch.tensor([len(mbs)]), torch.distributed.ReduceOp.MAX)) - len(mbs) \
             if self.sharded else 0
         drop_packed_weights(self.policy)    # the engine's prepacked copies go stale with this update
+        cfg_head_step = self.cfg.speculation.head_training == "step"
         old, ref, agg, losses, norms, entropy = [], [], defaultdict(float), [], [], 0.0
         for it in range(g.num_iterations):
             self.opt.zero_grad(set_to_none=True)
@@ -352,7 +360,7 @@ class Trainer:
                 logp, ent, hidden = completion_logprobs(self.policy, mb, g.temperature)    # [B, T] each
                 if it == 0:
                     old.append(logp.detach())
-                    if self.head is not None:
+                    if self.head is not None and cfg_head_step:
                         prompt = (mb.pos[:, 0] + 1).tolist()
                         ends = [p + int(n) for p, n in zip(prompt, mb.mask.sum(1).tolist())]
                         self._head_batches.append((mb.ids, hidden.detach(),
@@ -417,25 +425,50 @@ class Trainer:
         self.sched.step()
         return float(norm)
 
+    def head_backward(self, batches) -> None:
+        """Head gradients (sums over positions; train_head divides by the global count) of batches of
+        (ids [B, L], hidden [B, L, D], mask [B, L-1])."""
+        for ids, hidden, mask in batches:
+            loss, n = head_loss(self.head, hidden, ids, mask)
+            loss.backward()
+            self._head_sums[0] += n
+            self._head_sums[1] += float(loss.detach())
+
+    def head_bubble(self, done, rows: int = 8) -> None:
+        """A rank idle in its rollout's bubble (TLT, ASPLOS'26): head gradients from the hidden states its
+        finished sequences left in the engine, `rows` sequences at a time, until every rank is done."""
+        recs = self.head_drafter.take_finished()
+        for i in range(0, len(recs), rows):
+            if done():
+                break
+            part = recs[i:i + rows]
+            L = max(len(ids) for ids, _, _ in part)
+            ids = torch.tensor([t + [0] * (L - len(t)) for t, _, _ in part], device=self.device)
+            hidden = torch.zeros(len(part), L, part[0][2].shape[-1], device=self.device)
+            for b, (_, _, h) in enumerate(part):
+                hidden[b, :len(h)] = h           # (a normal tensor: the engine's are inference tensors)
+            mask = completion_mask([p for _, p, _ in part], [len(t) for t, _, _ in part], L)
+            self.head_backward([(ids, hidden, mask.to(self.device))])
+
     def train_head(self) -> dict:
-        """One AdamW step of the draft head on this step's trainer hidden states (collective), then
+        """One AdamW step of the draft head on the gradients accumulated this step (collective): the
+        trainer's hidden states (`step`), or what the ranks computed in their bubbles (`bubble`); then
         into the engine's head. Its teacher reads the engine's LM head, synced just before."""
         t0, batches, self._head_batches = time.perf_counter(), self._head_batches, []
-        counts = self._all_reduce(torch.tensor([float(sum(m.sum() for _, _, m in batches))], dtype=torch.float64))
-        n = max(float(counts[0]), 1.0)
-        self.head_opt.zero_grad(set_to_none=True)
-        loss_sum = 0.0
-        for ids, hidden, mask in batches:
-            loss, _ = head_loss(self.head, hidden, ids, mask)
-            (loss / n).backward()
-            loss_sum += float(loss.detach())
+        self.head_backward(batches)
+        n, loss = (float(x) for x in self._all_reduce(torch.tensor(self._head_sums, dtype=torch.float64)))
+        self._head_sums = [0.0, 0.0]
         params = list(self.head.parameters())
         all_reduce_grads(params)
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        self.head_opt.step()
+        if n > 0:
+            for p in params:
+                if p.grad is not None:
+                    p.grad.div_(n)
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            self.head_opt.step()
+        self.head_opt.zero_grad(set_to_none=True)
         self.head_drafter.load_head_state(self.head.state_dict())
-        loss_sum = float(self._all_reduce(torch.tensor([loss_sum], dtype=torch.float64))[0])
-        return {"head/loss": loss_sum / n, "head/positions": int(n), "head/time": time.perf_counter() - t0}
+        return {"head/loss": loss / max(n, 1.0), "head/positions": int(n), "head/time": time.perf_counter() - t0}
 
     def sync_weights(self) -> float:
         t0 = time.perf_counter()

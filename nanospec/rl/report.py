@@ -117,6 +117,8 @@ def headline(recs) -> dict:
         "mean reward, last step": rew[-1] if rew else None,
         "bubble share of rank rollout time": bub / rank_time if rank_time > 0 and bub > 0 else None,
         "bubble fraction recovered": rec_frac,
+        "bubble share spent training the draft head":
+            sum(sum(_rank_list(r, "rank_bubble_train_time") or []) for r in recs) / bub if bub > 0 else None,
         "mean accepted length": _mean(_series(recs, "mean_accepted_len")[1]),
         "target forwards per token": _mean(_series(recs, "target_forwards_per_token")[1]),
         "rollout time per step (s)": _mean(_series(recs, "time_rollout")[1]),

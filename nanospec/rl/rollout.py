@@ -124,6 +124,7 @@ class RolloutWorker:
                           f"seed * world_size + r (build the LLM with seed=base_seed + rank)", stacklevel=2)
             llm.generator.manual_seed(seeds[rank] * world_size + rank)
         self.last_bubble: dict | None = None   # previous step's bubble totals (bubble_recovered_frac)
+        self.bubble_train = None               # fn(done): other work for the bubble, first (the draft head's, TLT)
         self._ids: dict[str, list[int]] = {}
 
     def prompt_ids(self, problem: Problem) -> list[int]:
@@ -164,13 +165,17 @@ class RolloutWorker:
             stats = _plain_stats(llm.stats)
             signal = dist.DoneSignal()
             signal.arrive()
-            drafts, t_draft = [], 0.0
+            drafts, t_draft, t_train = [], 0.0, 0.0
+            if self.bubble_train is not None and (self.bubble_budget or not signal.done()):
+                self.bubble_train((lambda: False) if self.bubble_budget else signal.done)   # repeatable: all of it
+                t_train = time.perf_counter() - t_busy
             if self.bubble and upcoming and (self.bubble_budget or not signal.done()):
+                t = time.perf_counter()
                 drafts = self._bubble(signal, upcoming)
-                t_draft = time.perf_counter() - t_busy
+                t_draft = time.perf_counter() - t
             signal.wait()
             t_done = time.perf_counter()
-            mine = dict(busy=t_busy - t0, bubble=t_done - t_busy, draft_time=t_draft, wall=t_done - t0,
+            mine = dict(busy=t_busy - t0, bubble=t_done - t_busy, draft_time=t_draft, train_time=t_train, wall=t_done - t0,
                         stats=stats, drafts=drafts,
                         lengths={i: [s.num_completion_tokens for s in seqs] for i, seqs in groups},
                         forwards={i: [(s.num_forwards, s.num_drafted) for s in seqs] for i, seqs in groups})
@@ -238,6 +243,7 @@ class RolloutWorker:
         accepted = per["bubble"]["accepted"] if "bubble" in per else 0
         m.update(rank_busy_time=busy, rank_bubble_time=[r["bubble"] for r in ranks],
                  rank_bubble_draft_time=[r["draft_time"] for r in ranks], rank_bubble_draft_tokens=bub_tokens,
+                 rank_bubble_train_time=[r["train_time"] for r in ranks],
                  rank_predicted_work=work, time_rollout=wall, tokens_per_s=merged.get("generated_tokens", 0) / max(wall, 1e-9),
                  rollout_imbalance=imbalance(busy), predicted_imbalance=imbalance(work),
                  bubble_draft_tokens=sum(bub_tokens), bubble_draft_accepted=accepted,
