@@ -39,8 +39,6 @@ from torch import nn
 
 from nanospec.drafters.base import DraftTarget, Proposal
 from nanospec.drafters.model_drafter import ModelDrafter
-from nanospec.engine import sampler
-from nanospec.engine.sampler import SamplingTensors
 from nanospec.engine.sequence import Sequence
 from nanospec.models.decoder import CausalLM, DecoderLayer, Linear, ModelArgs, RMSNorm
 
@@ -255,12 +253,7 @@ class HeadDrafter(ModelDrafter):
         for j in range(K):
             if not rows:
                 break
-            sub = [seqs[i] for i in rows]
-            logits = self.model.logits(g)                                                   # [b, V]
-            st = SamplingTensors.from_params([s.params for s in sub], V, dev)
-            p = sampler.probs(logits.unsqueeze(1), st).squeeze(1)                          # [b, V]
-            u = (1.0 - torch.rand(len(sub), generator=self.generator)).to(dev)             # (0, 1]
-            tok = torch.where(st.greedy, logits.argmax(-1), sampler.sample(p, u))
+            p, tok = self.draw([seqs[i] for i in rows], self.model.logits(g))                   # [b, V], [b]
             q[torch.tensor(rows, device=dev), j] = p       # greedy rows: verify ignores q
             for i, t in zip(rows, tok.tolist()):
                 drafts[i].append(t)

@@ -77,11 +77,7 @@ class ModelDrafter(Drafter):
             sub = [seqs[i] for i in rows]
             hidden = self.runner.forward(sub, feed, [s.num_draft_computed for s in sub])   # [b, Q, D]
             last = torch.tensor([len(f) - 1 for f in feed], device=dev)
-            logits = self.model.logits(hidden[torch.arange(len(sub), device=dev), last])    # [b, V]
-            st = SamplingTensors.from_params([s.params for s in sub], V, dev)
-            p = sampler.probs(logits.unsqueeze(1), st).squeeze(1)                          # [b, V]
-            u = (1.0 - torch.rand(len(sub), generator=self.generator)).to(dev)             # (0, 1]
-            tok = torch.where(st.greedy, logits.argmax(-1), sampler.sample(p, u))
+            p, tok = self.draw(sub, self.model.logits(hidden[torch.arange(len(sub), device=dev), last]))
             q[torch.tensor(rows, device=dev), j] = p   # greedy rows: verify ignores q
             for s, f, i, t in zip(sub, feed, rows, tok.tolist()):
                 s.num_draft_computed += len(f)
@@ -89,6 +85,14 @@ class ModelDrafter(Drafter):
             rows = [i for i in rows if num_tokens[i] > j + 1]
             feed = [[drafts[i][-1]] for i in rows]
         return Proposal(drafts, q, [self.name] * B)
+
+    def draw(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits [b, V] -> (q [b, V], the rows' own temperature/top-k/top-p distribution; d ~ q [b], the
+        argmax on greedy rows), from the drafter's generator (not verify's uniforms)."""
+        st = SamplingTensors.from_params([s.params for s in seqs], self.vocab_size, self.device)
+        q = sampler.probs(logits.unsqueeze(1), st).squeeze(1)
+        u = (1.0 - torch.rand(len(seqs), generator=self.generator)).to(self.device)        # (0, 1]
+        return q, torch.where(st.greedy, logits.argmax(-1), sampler.sample(q, u))
 
     @torch.no_grad()
     def refresh(self, model: nn.Module) -> None:
