@@ -9,7 +9,9 @@ learns the model's next-token distribution from them (drafters/head.py: head_los
 keeps training it online from there (`speculation.head_training`).
 """
 import argparse
+import json
 import time
+from pathlib import Path
 
 import torch
 
@@ -20,13 +22,30 @@ from nanospec.models.hub import resolve_model
 from nanospec.tasks import format_prompt, task_from_config
 
 
-def distill(llm, prompts, samples: int, max_tokens: int, temperature: float, epochs: int = 4,
-            batch_tokens: int = 4096, lr: float = 1e-3, draft_vocab: int | None = None, seed: int = 0,
-            log=print) -> DraftHead:
-    t0 = time.perf_counter()
+def generations(llm, prompts, samples: int, max_tokens: int, temperature: float, seed: int = 0,
+                cache: Path | None = None) -> list[tuple[list[int], int]]:
+    """The model's own responses as (prompt + completion ids, prompt length); `cache` keeps them (a
+    JSON file keyed by everything they depend on): sampling is most of a warm start's time on CPU."""
+    key = dict(model=str(llm.model_path), prompts=prompts, samples=samples, max_tokens=max_tokens,
+               temperature=temperature, seed=seed)
+    if cache is not None and cache.is_file():
+        stored = json.loads(cache.read_text())
+        if stored["key"] == key:
+            return [tuple(x) for x in stored["seqs"]]
     outs = llm.generate(prompts, SamplingParams(temperature=temperature, max_tokens=max_tokens, n=samples,
                                                 seed=seed), use_tqdm=False)
     seqs = [(o.prompt_token_ids + o.token_ids, len(o.prompt_token_ids)) for o in outs if len(o.token_ids) >= 3]
+    if cache is not None:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        cache.write_text(json.dumps({"key": key, "seqs": seqs}))
+    return seqs
+
+
+def distill(llm, prompts, samples: int, max_tokens: int, temperature: float, epochs: int = 4,
+            batch_tokens: int = 4096, lr: float = 1e-3, draft_vocab: int | None = None, seed: int = 0,
+            cache: Path | None = None, log=print) -> DraftHead:
+    t0 = time.perf_counter()
+    seqs = generations(llm, prompts, samples, max_tokens, temperature, seed, cache)
     log(f"[head] {len(seqs)} samples, {sum(len(s) - p for s, p in seqs)} completion tokens in "
         f"{time.perf_counter() - t0:.0f}s")
     vocab = None
@@ -90,7 +109,7 @@ def main(argv=None) -> None:
     prompts = [format_prompt(llm.tokenizer, p.messages or p.prompt) for p in task.train(cfg.task.num_train)[:args.prompts]]
     g = cfg.grpo
     head = distill(llm, prompts, args.samples, g.max_completion_length, g.temperature, args.epochs,
-                   draft_vocab=args.draft_vocab, seed=args.seed)
+                   draft_vocab=args.draft_vocab, seed=args.seed, cache=Path(args.out) / "generations.json")
     head.save(args.out)
     print(f"[head] wrote {args.out}")
 

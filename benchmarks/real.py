@@ -177,6 +177,8 @@ def rollouts(model_dir, model, tok, opts, workdir) -> list[dict]:
                              if llm.drafter is not None else None,
                              draft_len=total("proposed_tokens") / max(total("verify_steps"), 1)
                              if llm.drafter is not None else None,
+                             tokens_per_verify=(total("accepted_tokens") + total("verify_steps"))
+                             / max(total("verify_steps"), 1) if llm.drafter is not None else None,
                              spec_on_frac=total("drafting_steps") / max(total("target_forwards"), 1)
                              if llm.controller is not None else None,
                              len_mean=statistics.fmean(n for n, _ in mine),

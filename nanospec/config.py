@@ -213,12 +213,14 @@ class SpeculationConfig:
     head_training: str = "step"         # step: after each weight sync, on the trainer's hidden states | bubble:
                                         # in the rollout's idle time, on the engine's (TLT) | off: frozen
     head_lr: float = 3e-4
+    head_positions: int = 1024          # per rank and step, at most: the head's cost stays a small share of the step
 
     def rules(self):
         c, b = self.length_classes, self.length_class_budgets
         p, n = self.latency_profile, self.bubble_token_budget
         return [("head_training", self.head_training in HEAD_TRAINING, _one_of(HEAD_TRAINING)),
                 ("head_lr", self.head_lr > 0, "> 0"),
+                ("head_positions", is_int(self.head_positions) and self.head_positions >= 1, "an int >= 1"),
                 ("latency_profile", p is None or Path(p).is_file(), "null or an existing profile JSON file"),
                 ("bubble_token_budget", n is None or (is_int(n) and n >= 1), "null or an int >= 1"),
                 ("length_classes", all(t > 0 for t in c) and all(x < y for x, y in zip(c, c[1:])),

@@ -48,7 +48,8 @@ def write_profile(path: Path) -> None:
     resume must restore) is exercised. This machine's measured profile would turn most drafting off."""
     grid = itertools.product((1, 8, 32), (32, 64), (1, 4, 8))
     samples = [[B, C, Q, 2e-3 + 5e-5 * B + 2e-5 * B * Q + 1e-7 * B * C + 5e-4 * (Q > 1)] for B, C, Q in grid]
-    path.write_text(json.dumps({"samples": samples, "draft_seconds_per_seq": 5e-5}))
+    heads = [[B, C, 1, 3e-4 + 1e-5 * B + 1e-8 * B * C] for B, C, _ in grid]     # a draft head's forward
+    path.write_text(json.dumps({"samples": samples, "draft_samples": heads, "draft_seconds_per_seq": 5e-5}))
 
 
 class Soak:

@@ -24,9 +24,10 @@ from nanospec.soak import RUN, untimed, write_profile    # the soak script's sho
 TORCHRUN = [str(ROOT / ".venv" / "bin" / "torchrun"), "--standalone", "--nproc_per_node=2"]
 
 
-def train(shared, out, *extra, fault=None, ok=True, sharding="none"):
+def train(shared, out, *args, fault=None, ok=True, sharding="none", extra=()):
     cmd = TORCHRUN + ["train.py", *RUN, f"--run.out_dir={out}", f"--sft.out_dir={shared / 'sft'}",
-                      f"--speculation.latency_profile={shared / 'profile.json'}", f"--run.sharding={sharding}", *extra]
+                      f"--speculation.latency_profile={shared / 'profile.json'}", f"--run.sharding={sharding}",
+                      *extra, *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "NANOSPEC_FAULT": fault or ""}
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert (p.returncode == 0) == ok, f"fault={fault} rc={p.returncode}\n" + p.stdout[-3000:] + p.stderr[-3000:]
@@ -51,15 +52,25 @@ def sha(path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+HEAD = ('--rollout.speculative=[{method: prior, num_draft_tokens: 8}, {method: suffix, num_draft_tokens: 8}, '
+        '{method: head, num_draft_tokens: 4}]')    # a fresh draft head, trained online (drafters/head.py)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("sharding", ["none", "fsdp"])
 def test_kill_a_rank_anywhere_and_resume_exactly(tmp_path, sharding):
+    """Replicated with prior+suffix; FSDP with a draft head chained after them (its weights and AdamW
+    state are checkpointed beside the policy's: the resumed run's head/loss must match too)."""
     write_profile(tmp_path / "profile.json")
     train = functools.partial(globals()["train"], sharding=sharding)
+    if sharding == "fsdp":
+        train = functools.partial(train, extra=[HEAD])
     log = train(tmp_path, tmp_path / "ref")
     ref = metrics(tmp_path / "ref")
     assert [r["step"] for r in ref] == [0, 1, 2, 3]
-    assert all(len(r["rank_busy_time"]) == 2 and r["speculative"] == "prior+suffix" for r in ref)
+    spec = "prior+suffix+head" if sharding == "fsdp" else "prior+suffix"
+    assert all(len(r["rank_busy_time"]) == 2 and r["speculative"] == spec for r in ref)
+    assert sharding != "fsdp" or all(r["head/positions"] > 0 and "head/loss" in r for r in ref)
     assert "before" in log and "after" in log and "python -m nanospec.rl.report" in log
     from transformers import AutoModelForCausalLM     # a checkpoint is an ordinary HF model directory
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "ref" / "checkpoints" / "step_000004").config.model_type == "llama"

@@ -252,3 +252,18 @@ def _bubble_rank(rank, tmp, cfg):
         done = True
     finally:
         cleanup(sync=done)
+
+
+def test_the_head_learns_from_at_most_head_positions_per_step():
+    """speculation.head_positions caps the head's online cost: whole sequences, drawn by (seed, step, rank)."""
+    from types import SimpleNamespace
+    from nanospec.config import config_from_dict
+    from nanospec.rl.grpo import Trainer
+    cfg = config_from_dict({"speculation": {"head_positions": 200}})
+    me = SimpleNamespace(cfg=cfg, step=3, rank=1)
+    batches = [(torch.zeros(16, 40, dtype=torch.long), torch.zeros(16, 40, 8), torch.ones(16, 39)) for _ in range(4)]
+    kept = Trainer._head_sample(me, batches)
+    n = sum(int(m.sum()) for _, _, m in kept)
+    assert 0 < n <= 2 * 200 and all(len(i) == len(h) == len(m) for i, h, m in kept)   # ~200 of 2496, by draw
+    assert [len(i) for i, _, _ in kept] == [len(i) for i, _, _ in Trainer._head_sample(me, batches)]
+    assert Trainer._head_sample(SimpleNamespace(cfg=config_from_dict({}), step=3, rank=1), batches[:1]) == batches[:1]

@@ -44,7 +44,7 @@ from nanospec.models.decoder import CausalLM, DecoderLayer, Linear, ModelArgs, R
 
 SHAPE_KEYS = ("arch", "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim")
 REG_WEIGHT = 0.1     # feature regression beside the KL (EAGLE weighs its two losses 1 : 0.1 the other way)
-UNROLL = 2           # passes: the first on the target's features, the rest on the head's own (EAGLE-3's training-time test)
+UNROLL = 3           # passes: the first on the target's features, the rest on the head's own (EAGLE-3's training-time test)
 
 
 class DraftHead(CausalLM):

@@ -434,6 +434,21 @@ class Trainer:
             self._head_sums[0] += n
             self._head_sums[1] += float(loss.detach())
 
+    def _head_sample(self, batches):
+        """At most `speculation.head_positions` of this rank's positions, as whole sequences drawn with a
+        generator of (seed, step, rank): the head's cost stays a small share of the step."""
+        total = sum(float(m.sum()) for _, _, m in batches)
+        keep = min(1.0, self.cfg.speculation.head_positions / max(total, 1.0))
+        if keep == 1.0:
+            return batches
+        g = torch.Generator().manual_seed(hash_seed(self.cfg.run.seed, "head", self.step, self.rank))
+        out = []
+        for ids, hidden, mask in batches:
+            rows = torch.nonzero(torch.rand(len(ids), generator=g) < keep).flatten().to(ids.device)
+            if len(rows):
+                out.append((ids[rows], hidden[rows], mask[rows.cpu()]))
+        return out
+
     def head_bubble(self, done, rows: int = 8) -> None:
         """A rank idle in its rollout's bubble (TLT, ASPLOS'26): head gradients from the hidden states its
         finished sequences left in the engine, `rows` sequences at a time, until every rank is done."""
@@ -455,7 +470,7 @@ class Trainer:
         trainer's hidden states (`step`), or what the ranks computed in their bubbles (`bubble`); then
         into the engine's head. Its teacher reads the engine's LM head, synced just before."""
         t0, batches, self._head_batches = time.perf_counter(), self._head_batches, []
-        self.head_backward(batches)
+        self.head_backward(self._head_sample(batches))
         n, loss = (float(x) for x in self._all_reduce(torch.tensor(self._head_sums, dtype=torch.float64)))
         self._head_sums = [0.0, 0.0]
         params = list(self.head.parameters())
