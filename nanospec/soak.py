@@ -46,7 +46,7 @@ def write_profile(path: Path) -> None:
     """A fixed cost model in the profile-cache format (engine/latency.py), t = a + b*B + c*B*Q + d*B*C
     (+ a verify overhead), under which the embedded model's drafts pay: the drafters' state (what a
     resume must restore) is exercised. This machine's measured profile would turn most drafting off."""
-    grid = itertools.product((1, 8, 32), (32, 64), (1, 4, 8))
+    grid = list(itertools.product((1, 8, 32), (32, 64), (1, 4, 8)))
     samples = [[B, C, Q, 2e-3 + 5e-5 * B + 2e-5 * B * Q + 1e-7 * B * C + 5e-4 * (Q > 1)] for B, C, Q in grid]
     heads = [[B, C, 1, 3e-4 + 1e-5 * B + 1e-8 * B * C] for B, C, _ in grid]     # a draft head's forward
     path.write_text(json.dumps({"samples": samples, "draft_samples": heads, "draft_seconds_per_seq": 5e-5}))
