@@ -438,7 +438,7 @@ def v8_draft(tmp_path_factory):
 
 
 @pytest.mark.parametrize("key", ["temp1", "temp07", "filtered", "top_p06"])
-@pytest.mark.parametrize("method", ["self", "draft_model", "head"])
+@pytest.mark.parametrize("method", ["self", "draft_model", "head", "head_vocab5"])
 def test_model_drafters_sampling_from_q_are_exact(v8, v8_draft, exact, method, key):
     """The nf4 self-drafter, a draft model and a (fresh) draft head sample d ~ q and report that q: exact
     at T=1, T<1 and with top-k/top-p. A drafter that emitted argmax(q) while reporting q fails here
@@ -446,6 +446,8 @@ def test_model_drafters_sampling_from_q_are_exact(v8, v8_draft, exact, method, k
     spec = {"method": method, "num_draft_tokens": K}
     if method == "draft_model":
         spec["model"] = v8_draft
+    if method == "head_vocab5":          # a reduced draft vocabulary: q = 0 on 3 of the 8 tokens
+        spec = {"method": "head", "num_draft_tokens": K, "draft_vocab": 5}
     llm, outs = sample_with(v8, spec, PARAMS[key])
     check_exact(llm, outs, exact[key], f"{method}/{key}")
     assert any(any(o.from_verify) for o in outs)

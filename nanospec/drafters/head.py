@@ -253,7 +253,10 @@ class HeadDrafter(ModelDrafter):
         for j in range(K):
             if not rows:
                 break
-            p, tok = self.draw([seqs[i] for i in rows], self.model.logits(g))                   # [b, V], [b]
+            # q over the draft vocabulary only (filters and softmax over Vd, not V), scattered into V
+            p, tok = self.draw([seqs[i] for i in rows], self.head.draft_logits(g))             # [b, Vd], [b]
+            if self.head.vocab is not None:
+                p, tok = p.new_zeros(len(rows), V).index_copy_(1, self.head.vocab, p), self.head.vocab[tok]
             q[torch.tensor(rows, device=dev), j] = p       # greedy rows: verify ignores q
             for i, t in zip(rows, tok.tolist()):
                 drafts[i].append(t)
