@@ -150,18 +150,19 @@ def head_loss(head: DraftHead, hidden: torch.Tensor, ids: torch.Tensor, mask: to
     """hidden [B, L, D] (the target's, detached), ids [B, L], mask [B, L-1]: 1 where head position i
     (input h_i, x_{i+1}; predicting x_{i+2} and h_{i+1}) counts. -> (sum of the loss, positions)."""
     h_in, h_next = hidden[:, :-1].float(), hidden[:, 1:].float()                  # [B, L-1, D]
+    sel = mask.bool().to(hidden.device)     # the LM head runs on the counted positions only (the rest: context)
     with torch.no_grad():
-        teacher = head.draft_logits(h_next).log_softmax(-1)                     # [B, L-1, Vd]  log p
-    m, total, unroll = mask.float(), 0.0, unroll or UNROLL
+        teacher = head.draft_logits(h_next[sel]).log_softmax(-1)                # [n, Vd]  log p
+    total, unroll = 0.0, unroll or UNROLL
     features = h_in
     for _ in range(unroll):
         g = head(ids[:, 1:], features=features.reshape(-1, features.shape[-1]))   # [B, L-1, D]
-        logq = head.draft_logits(g).log_softmax(-1)
-        kl = (teacher.exp() * (teacher - logq)).sum(-1)                           # [B, L-1]
-        reg = F.smooth_l1_loss(g, h_next, reduction="none").mean(-1)
-        total = total + ((kl + REG_WEIGHT * reg) * m).sum()
+        logq = head.draft_logits(g[sel]).log_softmax(-1)                          # [n, Vd]
+        kl = (teacher.exp() * (teacher - logq)).sum(-1)                           # [n]
+        reg = F.smooth_l1_loss(g[sel], h_next[sel], reduction="none").mean(-1)
+        total = total + (kl + REG_WEIGHT * reg).sum()
         features = torch.cat([h_in[:, :1], g[:, :-1]], 1)     # the next pass reads its own g_{i-1} for h_i
-    return total / unroll, int(m.sum())
+    return total / unroll, int(sel.sum())
 
 
 def completion_mask(prompt_lens: list[int], lengths: list[int], L: int) -> torch.Tensor:
