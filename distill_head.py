@@ -102,7 +102,6 @@ def main(argv=None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     args, overrides = ap.parse_known_args(argv)
     cfg = load_config(args.config, overrides)
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     model = args.model or (resolve_model(cfg.model.path) if cfg.model.path else cfg.sft.out_dir)
     llm = LLM(model, max_num_seqs=64, speculative=None)
     task = task_from_config(cfg.task)
