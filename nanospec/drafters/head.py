@@ -194,19 +194,15 @@ class HeadDrafter(ModelDrafter):
         for b, (s, a, n) in enumerate(zip(seqs, starts, counts)):
             if n <= 0 or s.is_finished:
                 continue
-            first, chunks = self.pending.get(s.seq_id, (a, []))
-            end = first + sum(len(c) for c in chunks)
-            if a != end:             # recomputed (preemption) or skipped (a cached prompt prefix): restart here;
-                first, chunks = a, []     # the head's KV before `a` is what the target's blocks hold
+            # recomputed (preemption) or skipped (a cached prompt prefix): restart at `a`; the head's KV
+            # before it is what the target's blocks hold
+            if _extend(self.pending, s.seq_id, a, hidden[b, :n]):
                 s.num_draft_computed = a
-            self.pending[s.seq_id] = (first, chunks + [hidden[b, :n]])
             if self.recording:
-                first, chunks = self.trace.get(s.seq_id, (a, []))
-                if a != first + sum(len(c) for c in chunks):
-                    first, chunks = a, []
-                self.trace[s.seq_id] = (first, chunks + [hidden[b, :n].clone()])
+                _extend(self.trace, s.seq_id, a, hidden[b, :n].clone())
+                first, chunks = self.trace[s.seq_id]
                 if first == 0 and a + n >= s.num_prompt_tokens:          # the whole prompt: share it
-                    self.prompts.setdefault(s.prompt_key, torch.cat(self.trace[s.seq_id][1])[:s.num_prompt_tokens])
+                    self.prompts.setdefault(s.prompt_key, torch.cat(chunks)[:s.num_prompt_tokens])
 
     @torch.inference_mode()
     def prefill(self, seqs, tokens, starts, hidden=None) -> None:
@@ -224,10 +220,12 @@ class HeadDrafter(ModelDrafter):
             end = min(first + sum(len(c) for c in chunks), len(s) - 1)   # x_{j+1} must exist
             if end <= first:
                 continue
+            h = torch.cat(chunks)
             rows.append(i)
             feed.append(s.token_ids[first + 1:end + 1])
-            feats.append(torch.cat(chunks)[:end - first])
+            feats.append(h[:end - first])
             starts.append(first)
+            self.pending[s.seq_id] = (end, [h[end - first:]] if end - first < len(h) else [])
         if not rows:
             return {}
         sub = [seqs[i] for i in rows]
@@ -235,9 +233,6 @@ class HeadDrafter(ModelDrafter):
         g = self.model(ids, pos, kv, torch.cat(feats))                                      # [b, Q, D]
         out = {}
         for r, (i, s, f, a) in enumerate(zip(rows, sub, feed, starts)):
-            first, chunks = self.pending[s.seq_id]
-            rest = torch.cat(chunks)[len(f):]
-            self.pending[s.seq_id] = (a + len(f), [rest] if len(rest) else [])
             s.num_draft_computed = a + len(f)
             out[i] = g[r, len(f) - 1]
         return out
@@ -309,6 +304,15 @@ class HeadDrafter(ModelDrafter):
         own = self.head.state_dict()
         for k, v in state.items():
             own[k].copy_(v)
+
+
+def _extend(store: dict, key, start: int, h: torch.Tensor) -> bool:
+    """Append the hidden states of positions start.. to store[key] = (first position, chunks); where they
+    do not follow on from what it holds, restart there. -> whether it restarted."""
+    first, chunks = store.get(key, (start, []))
+    restart = start != first + sum(len(c) for c in chunks)
+    store[key] = (start, [h]) if restart else (first, chunks + [h])
+    return restart
 
 
 def head_drafter(target: DraftTarget, model: str | None = None, draft_vocab: int | None = None,

@@ -267,26 +267,31 @@ class Trainer:
         self.worker = RolloutWorker(self.llm, self.tokenizer, cfg, self.rank, self.world,
                                     dist.new_group() if g.max_staleness else None)
         self.version, self.pending = 0, None    # engine weights' policy version; the rollout made ahead
-        # a draft head learns online (drafters/head.py): the trainer's copy, synced into the engine's
-        self.head_drafter = find_drafter(self.llm.drafter, "head")
-        self.head = self.head_opt = None
-        self._head_batches = []        # (ids, hidden, mask) of this step's trainer forwards
-        self._head_sums = [0.0, 0.0]   # positions, loss: gradients accumulated since the head's last step
-        if self.head_drafter is not None and cfg.speculation.head_training != "off":
-            self.head = self.head_drafter.head.twin(torch.float32).train()
-            self.head_opt = torch.optim.AdamW(self.head.parameters(), lr=cfg.speculation.head_lr)
-        if self.head is not None and cfg.speculation.head_training == "bubble":
-            if g.max_staleness:
-                raise ValueError("speculation.head_training: 'bubble' trains in the rollout's idle time, which the "
-                                 "off-policy pipeline (grpo.max_staleness 1) fills with learning: use 'step'")
-            self.head_drafter.recording = True
-            self.worker.bubble_train = self.head_bubble
+        self._build_head()
         self.opt = torch.optim.AdamW(self.policy.parameters(), lr=g.learning_rate, weight_decay=g.weight_decay)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: min(1.0, (s + 1) / (g.warmup_steps + 1)))
         self.monitor, self.step, self.eval_before, self._perms = DrafterMonitor(), 0, None, {}
         self.guard = LearningGuard()
         if cfg.run.resume:
             self._resume()
+
+    def _build_head(self) -> None:
+        """A draft head learns online (drafters/head.py): the trainer's fp32 copy, synced into the engine's."""
+        cfg = self.cfg
+        self.head_drafter = find_drafter(self.llm.drafter, "head")
+        self.head = self.head_opt = None
+        self._head_batches = []        # (ids, hidden, mask) of this step's trainer forwards
+        self._head_sums = [0.0, 0.0]   # positions, loss: gradients accumulated since the head's last step
+        if self.head_drafter is None or cfg.speculation.head_training == "off":
+            return
+        self.head = self.head_drafter.head.twin(torch.float32).train()
+        self.head_opt = torch.optim.AdamW(self.head.parameters(), lr=cfg.speculation.head_lr)
+        if cfg.speculation.head_training == "bubble":
+            if cfg.grpo.max_staleness:
+                raise ValueError("speculation.head_training: 'bubble' trains in the rollout's idle time, which the "
+                                 "off-policy pipeline (grpo.max_staleness 1) fills with learning: use 'step'")
+            self.head_drafter.recording = True
+            self.worker.bubble_train = self.head_bubble
 
     def _model_dir(self) -> Path:
         """model.path as a directory; one writer per node (local rank 0) converts a .gguf first (hub.py's
@@ -351,7 +356,6 @@ class Trainer:
         extra = int(self._all_reduce(torch.tensor([len(mbs)]), torch.distributed.ReduceOp.MAX)) - len(mbs) \
             if self.sharded else 0
         drop_packed_weights(self.policy)    # the engine's prepacked copies go stale with this update
-        cfg_head_step = self.cfg.speculation.head_training == "step"
         old, ref, agg, losses, norms, entropy = [], [], defaultdict(float), [], [], 0.0
         for it in range(g.num_iterations):
             self.opt.zero_grad(set_to_none=True)
@@ -360,11 +364,7 @@ class Trainer:
                 logp, ent, hidden = completion_logprobs(self.policy, mb, g.temperature)    # [B, T] each
                 if it == 0:
                     old.append(logp.detach())
-                    if self.head is not None and cfg_head_step:
-                        prompt = (mb.pos[:, 0] + 1).tolist()
-                        ends = [p + int(n) for p, n in zip(prompt, mb.mask.sum(1).tolist())]
-                        self._head_batches.append((mb.ids, hidden.detach(),
-                                                   completion_mask(prompt, ends, mb.ids.shape[1])))
+                    self._keep_for_head(mb, hidden)
                     entropy += float((ent * mb.mask).sum())
                     with torch.no_grad():
                         ref.append(completion_logprobs(self.ref, mb, g.temperature)[0] if self.ref is not None else None)
@@ -424,6 +424,14 @@ class Trainer:
         self.opt.step()
         self.sched.step()
         return float(norm)
+
+    def _keep_for_head(self, mb: MicroBatch, hidden: torch.Tensor) -> None:
+        """The trainer forward's hidden states [B, L, D] of a micro-batch, for the head's step (`step` mode)."""
+        if self.head is None or self.cfg.speculation.head_training != "step":
+            return
+        prompt = (mb.pos[:, 0] + 1).tolist()
+        ends = [p + int(n) for p, n in zip(prompt, mb.mask.sum(1).tolist())]
+        self._head_batches.append((mb.ids, hidden.detach(), completion_mask(prompt, ends, mb.ids.shape[1])))
 
     def head_backward(self, batches) -> None:
         """Head gradients (sums over positions; train_head divides by the global count) of batches of
