@@ -108,6 +108,22 @@ def lockstep(engines: dict) -> dict[str, float]:
     return seconds
 
 
+def rollout_variants(opts) -> list[tuple]:
+    """(name, speculative spec, with the controller) of every row: AR, its A/A twin, each drafter under the
+    rule, the plain ones without it, and at each --fixed-k; a --head adds the head's rows."""
+    drafters, plain = DRAFTERS, PLAIN
+    if opts.head:        # a trained draft head (distill_head.py): alone and after the history drafters
+        head = {"method": "head", "model": opts.head, "num_draft_tokens": 8}
+        drafters = DRAFTERS + [("head", head), ("prior+suffix+head", [PRIOR, SUFFIX, head])]
+        plain = PLAIN + ("head", "prior+suffix+head")
+    variants = [("AR", None, False), (AA, None, False)] + [(f"{n} +policies", s, True) for n, s in drafters] + \
+               [(n, s, False) for n, s in drafters if n in plain] + \
+               [(f"{n} k={k}", with_k(s, k), False) for k in opts.fixed_k for n, s in drafters if n in plain]
+    if opts.only:                                   # AR, the baseline, always runs
+        variants = [v for v in variants if v[0] in ("AR", AA) or v[0] in opts.only.split(",")]
+    return variants
+
+
 def rollouts(model_dir, model, tok, opts, workdir) -> list[dict]:
     from nanospec.config import SpeculationConfig
     from nanospec.tasks import format_prompt, get_task, gsm8k_task, score
@@ -119,16 +135,7 @@ def rollouts(model_dir, model, tok, opts, workdir) -> list[dict]:
     pool = task.test(opts.prompts * (num_passes if opts.fresh_prompts else 1))
     batch = lambda p: pool[p * opts.prompts:(p + 1) * opts.prompts] if opts.fresh_prompts else pool
     draft = truncated_draft(model_dir, opts.draft_layers, f"{workdir}/draft")
-    drafters, plain = DRAFTERS, PLAIN
-    if opts.head:        # a trained draft head (distill_head.py): alone and after the history drafters
-        head = {"method": "head", "model": opts.head, "num_draft_tokens": 8}
-        drafters = DRAFTERS + [("head", head), ("prior+suffix+head", [PRIOR, SUFFIX, head])]
-        plain = PLAIN + ("head", "prior+suffix+head")
-    variants = [("AR", None, False), (AA, None, False)] + [(f"{n} +policies", s, True) for n, s in drafters] + \
-               [(n, s, False) for n, s in drafters if n in plain] + \
-               [(f"{n} k={k}", with_k(s, k), False) for k in opts.fixed_k for n, s in drafters if n in plain]
-    if opts.only:                                   # AR, the baseline, always runs
-        variants = [v for v in variants if v[0] in ("AR", AA) or v[0] in opts.only.split(",")]
+    variants = rollout_variants(opts)
     engines = {}
     for name, spec, policies in variants:
         if isinstance(spec, dict) and spec["method"] == "draft_model":
