@@ -113,6 +113,30 @@ def test_llm_emulated_graphs_match_ar_and_speculative():
     assert max(q for _, q in g_spec.runner.graphs) > 1 and g_spec.runner.num_replays > 0
 
 
+def drafts_of(llm, prompts):
+    """Greedy tokens and every draft the head proposed. Two calls in three draft nothing: the hidden states
+    a decode step handed over must outlive the next decode, a replay into the same output buffer."""
+    drafts, calls, propose = [], [0], llm.drafter.propose
+
+    def recorded(seqs, num_tokens):
+        calls[0] += 1
+        p = propose(seqs, num_tokens if calls[0] % 3 == 0 else [0] * len(seqs))
+        drafts.append(p.tokens)
+        return p
+    llm.drafter.propose = recorded
+    return greedy(llm, prompts), drafts
+
+
+def test_head_through_emulated_graphs_drafts_as_eager():
+    model, prompts = tiny(seed=5), repetitive_prompts(5)
+    spec = dict(controller=None, speculative={"method": "head", "num_draft_tokens": 3})
+    with pytest.warns(UserWarning, match="freshly initialised"):
+        eager, graphs = cpu_llm(model, **spec), emulated_llm(model, **spec)
+    tokens, drafts = drafts_of(eager, prompts)
+    assert drafts_of(graphs, prompts) == (tokens, drafts) and tokens == greedy(cpu_llm(model), prompts)
+    assert graphs.runner.num_replays > 0 and sum(len(d) for ds in drafts for d in ds) >= 60
+
+
 def test_sleep_drops_graphs_captured_against_the_freed_cache():
     llm, prompts = emulated_llm(tiny(seed=5)), repetitive_prompts(3)
     before = greedy(llm, prompts)
@@ -192,6 +216,16 @@ def test_cuda_spec_with_graphs_equals_ar_and_no_recapture_after_load_weights():
     after = greedy(llm, prompts, 32)
     assert r.num_captures == captures == 20 and [p.data_ptr() for p in llm.model.parameters()] == ptrs
     assert after == greedy(cuda_llm(tiny(seed=10, device="cuda"), "float32", False), prompts, 32)
+
+
+@cuda
+def test_cuda_head_through_graphs_drafts_as_eager():
+    model, prompts = tiny(seed=5, device="cuda"), repetitive_prompts(5)
+    spec = dict(controller=None, speculative={"method": "head", "num_draft_tokens": 3})
+    with pytest.warns(UserWarning, match="freshly initialised"):
+        eager, graphs = cuda_llm(model, "float32", False, **spec), cuda_llm(model, "float32", True, **spec)
+    tokens, drafts = drafts_of(eager, prompts)
+    assert drafts_of(graphs, prompts) == (tokens, drafts) and graphs.runner.num_replays > 0
 
 
 @cuda

@@ -429,6 +429,17 @@ def test_speculative_sampling_is_exact_on_cuda_graphs(v8, exact, case, key):
     _exact_case(copy.deepcopy(v8).cuda(), exact, case, key, device="cuda", use_cuda_graphs=True)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("spec, key", [({}, "temp1"), ({}, "top_p06"), ({"draft_vocab": 5}, "top_p06")])
+def test_head_sampling_is_exact_on_cuda_graphs(v8, exact, spec, key):
+    """A (fresh) draft head drafting on the GPU path: its q through graph-replayed verifies."""
+    import copy
+    llm, outs = sample_with(copy.deepcopy(v8).cuda(), {"method": "head", "num_draft_tokens": K, **spec},
+                            PARAMS[key], device="cuda", use_cuda_graphs=True)
+    check_exact(llm, outs, exact[key], f"head{spec}/{key}")
+
+
 @pytest.fixture(scope="module")
 def v8_draft(tmp_path_factory):
     """Another random vocab-8 model: a draft model whose q is far from the target's p."""

@@ -89,7 +89,8 @@ class Drafter:
                        hidden: torch.Tensor) -> None:
         """The target's final hidden states [B, Q, D] of the last forward: row b's first counts[b] are
         those of positions starts[b].., the ones the sequence kept (its prompt, or last token + accepted
-        drafts). Only for drafters with `wants_hidden` (drafters/head.py); the others never see them."""
+        drafts). Only for drafters with `wants_hidden` (drafters/head.py); the others never see them.
+        `hidden` may be a view of a CUDA graph's static output buffer: copy what outlives the next step."""
 
     def observe(self, seq: Sequence) -> None:
         """A sequence finished: its prompt and completion may be used as future drafts."""

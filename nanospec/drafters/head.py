@@ -194,12 +194,14 @@ class HeadDrafter(ModelDrafter):
         for b, (s, a, n) in enumerate(zip(seqs, starts, counts)):
             if n <= 0 or s.is_finished:
                 continue
+            # a copy: under CUDA graphs `hidden` is the static buffer the next replay overwrites
+            h = hidden[b, :n].clone()
             # recomputed (preemption) or skipped (a cached prompt prefix): restart at `a`; the head's KV
             # before it is what the target's blocks hold
-            if _extend(self.pending, s.seq_id, a, hidden[b, :n]):
+            if _extend(self.pending, s.seq_id, a, h):
                 s.num_draft_computed = a
             if self.recording:
-                _extend(self.trace, s.seq_id, a, hidden[b, :n].clone())
+                _extend(self.trace, s.seq_id, a, h)
                 first, chunks = self.trace[s.seq_id]
                 if first == 0 and a + n >= s.num_prompt_tokens:          # the whole prompt: share it
                     self.prompts.setdefault(s.prompt_key, torch.cat(chunks)[:s.num_prompt_tokens])
