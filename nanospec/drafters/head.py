@@ -191,11 +191,11 @@ class HeadDrafter(ModelDrafter):
 
     def observe_hidden(self, seqs: list[Sequence], starts: list[int], counts: list[int], hidden: torch.Tensor):
         """The target's hidden states of positions starts[b] .. + counts[b] (hidden[b, :counts[b]])."""
+        hidden = hidden.clone()     # one copy: under CUDA graphs it is the buffer the next replay overwrites
         for b, (s, a, n) in enumerate(zip(seqs, starts, counts)):
             if n <= 0 or s.is_finished:
                 continue
-            # a copy: under CUDA graphs `hidden` is the static buffer the next replay overwrites
-            h = hidden[b, :n].clone()
+            h = hidden[b, :n]
             # recomputed (preemption) or skipped (a cached prompt prefix): restart at `a`; the head's KV
             # before it is what the target's blocks hold
             if _extend(self.pending, s.seq_id, a, h):
