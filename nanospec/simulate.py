@@ -2,6 +2,7 @@
 train, an event-driven replay of each rank's drain, and a nanospec run's measured traces.
 
     python -m nanospec.simulate --run RUN_DIR                    # replay a run on this CPU (calibrated)
+    python -m nanospec.simulate --run RUN_DIR --hardware cuda    # a GPU run, on this machine's GPU (calibrated)
     python -m nanospec.simulate --run bench_out/rollout.json --model runs/sft   # bench rows with `steps`
     python -m nanospec.simulate --lengths gsm8k --acceptance 0.40 --model qwen3-8b --hardware h100 --dp 8
 
@@ -479,16 +480,18 @@ def _mean(xs):
     return sum(xs) / len(xs) if xs else None
 
 
-# ---- the CPU preset, calibrated here --------------------------------------------------------------------------
+# ---- this machine, calibrated here (the CPU, or its GPU) ---------------------------------------------------------
 CALIBRATIONS = 3    # fits per rank, medians taken per field
-LIGHT_PARAMS = 20e6  # above this many parameters the calibration is sized down (`calibrate_cpu`, light)
+LIGHT_PARAMS = 20e6  # above this many parameters the calibration is sized down (`calibrate`, light)
 
 
-def cpu_preset(cfg: dict, threads: int = 1, where: str = "config.json", ranks: int = 1) -> Hardware:
-    """This CPU, fitted to nanospec's own engine and trainer on a randomly initialised model of this
+def calibrated(cfg: dict, threads: int = 1, where: str = "config.json", ranks: int = 1,
+               device: str = "cpu") -> Hardware:
+    """This CPU (or, device="cuda", its GPU: the engine in bf16 with CUDA graphs, as a GPU run rolls
+    out), fitted to nanospec's own engine and trainer on a randomly initialised model of this
     shape, `ranks` processes calibrating at once as a run's ranks run (they share caches and memory
     bandwidth), cached on disk like engine/latency.py's profiles (keyed by shape, threads, ranks, CPU
-    and torch version). Calibrate on an idle machine: another busy process doubles every time here."""
+    or GPU and torch version). Calibrate on an idle machine: another busy process doubles every time here."""
     import multiprocessing
     import platform
     import torch
@@ -496,8 +499,11 @@ def cpu_preset(cfg: dict, threads: int = 1, where: str = "config.json", ranks: i
     info = Path("/proc/cpuinfo")
     cpu = next((ln.split(":", 1)[1].strip() for ln in info.read_text().splitlines() if ln.startswith("model name")),
                platform.processor()) if info.is_file() else platform.processor()
-    key = json.dumps([cfg, threads, ranks, cpu, os.cpu_count(), torch.__version__, 7], sort_keys=True, default=str)
-    path = cache_dir() / "profiles" / f"sim_cpu_{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+    if device != "cpu":
+        cpu = torch.cuda.get_device_name(0)
+    key = json.dumps([cfg, threads, ranks, cpu, os.cpu_count(), torch.__version__, 7] + [device] * (device != "cpu"),
+                     sort_keys=True, default=str)
+    path = cache_dir() / "profiles" / f"sim_{device}_{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
     if path.is_file():
         return Hardware(**json.loads(path.read_text()))
     # the embedded ~4M model gets the full calibration; a real model's forwards, drains and backward
@@ -505,12 +511,13 @@ def cpu_preset(cfg: dict, threads: int = 1, where: str = "config.json", ranks: i
     params = ModelShape.from_config(cfg, where, "float32").params
     light = params > LIGHT_PARAMS
     fits_per_rank = 1 if light else CALIBRATIONS
-    print(f"simulate: calibrating this CPU on a random {params / 1e6:.0f}M-parameter model of this shape "
+    print(f"simulate: calibrating {cpu if device != 'cpu' else 'this CPU'} on a random {params / 1e6:.0f}M-parameter model of this shape "
           f"({ranks} process(es) x {threads} thread(s), {fits_per_rank} fit(s) each; about "
           f"{'2-3 min' if light else '1 min'} on an idle 2-core box; cached in {path})", flush=True)
     ctx = multiprocessing.get_context("spawn")
     queue, barrier = ctx.Queue(), ctx.Barrier(ranks)
-    procs = [ctx.Process(target=_calibrate_rank, args=(cfg, threads, where, barrier, queue, fits_per_rank, light, r == 0))
+    procs = [ctx.Process(target=_calibrate_rank,
+                         args=(cfg, threads, where, barrier, queue, fits_per_rank, light, r == 0, device))
              for r in range(ranks)]
     for p in procs:
         p.start()
@@ -518,21 +525,23 @@ def cpu_preset(cfg: dict, threads: int = 1, where: str = "config.json", ranks: i
     for p in procs:
         p.join()
     med = statistics.median       # per field, over every rank's fits: one fit on this box is +-10%
-    hw = Hardware(f"cpu x{ranks}", *(med([f[k] for f in fits]) for k in list(fits[0])[1:]))
+    hw = Hardware(f"{device} x{ranks}", *(med([f[k] for f in fits]) for k in list(fits[0])[1:]))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(asdict(hw)))
     return hw
 
 
-def _calibrate_rank(cfg, threads, where, barrier, queue, fits: int, light: bool, verbose: bool) -> None:
+def _calibrate_rank(cfg, threads, where, barrier, queue, fits: int, light: bool, verbose: bool, device: str) -> None:
     for i in range(fits):
         log = (lambda msg: print(f"simulate:   fit {i + 1}/{fits}: {msg}", flush=True)) if verbose else None
-        queue.put(asdict(calibrate_cpu(cfg, threads, where, barrier.wait, light, log)))
+        queue.put(asdict(calibrate(cfg, threads, where, barrier.wait, light, log, device)))
 
 
-def calibrate_cpu(cfg: dict, threads: int, where: str, sync=lambda: None, light: bool = False, log=None) -> Hardware:
+def calibrate(cfg: dict, threads: int, where: str, sync=lambda: None, light: bool = False, log=None,
+              device: str = "cpu") -> Hardware:
     """Fit Hardware to this CPU with nanospec's own code on a random model of this shape (fp32, one
-    process, `threads` torch threads; ~1 min, then cached by `cpu_preset`):
+    process, `threads` torch threads; ~1 min, then cached by `calibrated`); device="cuda": to its GPU
+    (the engine in bf16 with CUDA graphs, the trainer in fp32 there, every timing after a synchronize):
       1. LLM.time_forward over a (B, C, Q) grid -> flops, mem_bw and the forward's own overheads
          (least squares on log time: every batch size counts alike);
       2. engine steps of GRPO-like drains (the trainer's drafters and controller): greedy AR, then
@@ -557,11 +566,15 @@ def calibrate_cpu(cfg: dict, threads: int, where: str, sync=lambda: None, light:
     from nanospec.rl.rollout import Sample
     torch.set_num_threads(threads)
     torch.manual_seed(0)
-    m = ModelShape.from_config(cfg, where, "float32")
+    gpu = device != "cpu"
+    m = ModelShape.from_config(cfg, where, "bfloat16" if gpu else "float32")
     args = ModelArgs.from_hf(dict(cfg, model_type=cfg.get("model_type", "llama")), where)
     maxlen = min(args.max_position_embeddings, 256)
-    llm = LLM(CausalLM(args).eval(), None, max_num_seqs=64, max_model_len=maxlen, controller=SpeculationConfig(),
-              speculative=[{"method": "prior", "num_draft_tokens": 8}, {"method": "suffix", "num_draft_tokens": 8}])
+    llm = LLM(CausalLM(args).to(device).eval(), None, max_num_seqs=64, max_model_len=maxlen, controller=SpeculationConfig(),
+              speculative=[{"method": "prior", "num_draft_tokens": 8}, {"method": "suffix", "num_draft_tokens": 8}],
+              device=device, dtype="bfloat16" if gpu else "float32", use_cuda_graphs=gpu,
+              num_kv_blocks=4 * 64 * maxlen // 16 if gpu else None)     # not half the GPU's memory
+    wait = torch.cuda.synchronize if gpu else (lambda: None)
     med = lambda f, n=3: float(np.median([f() for _ in range(n)]))
     t_start = time.perf_counter()
     done = (lambda phase: log(f"{phase} ({time.perf_counter() - t_start:.0f} s)")) if log else (lambda phase: None)
@@ -574,7 +587,7 @@ def calibrate_cpu(cfg: dict, threads: int, where: str, sync=lambda: None, light:
     hw_of = lambda x: Hardware("cpu", *np.exp(x[:2]), 1.0, *np.exp(x[2:5]))
     pred = lambda hw, B, C, Q: step_time(hw, m, 1, B, B * Q, B * C, B * Q * (C + Q / 2), Q > 1)
     x = least_squares(lambda x: [math.log(pred(hw_of(x), B, C, Q) / t) for B, C, Q, t in fwd],
-                      np.log([1e10, 1e10, 1e-3, 1e-5, 1e-4])).x
+                      np.log([1e14 if gpu else 1e10, 1e12 if gpu else 1e10, 1e-3, 1e-5, 1e-4])).x
     hw = hw_of(x)
 
     def drain_steps(spec: bool, seed: int) -> list:      # [(B, C, Q, seconds)] of decode steps
@@ -615,7 +628,7 @@ def calibrate_cpu(cfg: dict, threads: int, where: str, sync=lambda: None, light:
         hw = replace(hw, verify_overhead_s=hw.verify_overhead_s + c, draft_seq_s=d)
     done(f"{len(ver)} verify steps timed" + ("" if len(ver) >= 2 else ": too few, the forward grid's verify cost stands"))
 
-    policy = CausalLM(args).train()
+    policy = CausalLM(args).to(device).train()
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-6)
 
     def train_step(n: int, seed: int) -> tuple[list, float]:
@@ -626,15 +639,17 @@ def calibrate_cpu(cfg: dict, threads: int, where: str, sync=lambda: None, light:
         lens = [(plen[i // 8], int(2 * (16 if light else 64) ** float(torch.rand(1, generator=g))))
                 for i in range(n)]
         samples = [Sample(None, i, [5] * p, [7] * L, [0.0] * L, [False] * L, "length") for i, (p, L) in enumerate(lens)]
+        wait()
         t0 = time.perf_counter()
         for idx in micro_batches(samples, 1):     # Trainer.learn's loss: TIS weights, clipped surrogate
-            mb = make_microbatch([samples[i] for i in idx], torch.randn(len(idx)), 0, "cpu")
+            mb = make_microbatch([samples[i] for i in idx], torch.randn(len(idx)), 0, device)
             logp = completion_logprobs(policy, mb, 1.0)[0]
             w, _ = tis_weights(logp.detach(), mb.rollout_lp, mb.mask, 2.0)
             policy_loss(logp, logp.detach(), mb.adv, mb.mask, num_seqs_global=n, tis_weight=w)[0].backward()
         torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        wait()
         return lens, time.perf_counter() - t0
     train_step(8, 0)
     sync()
@@ -644,11 +659,13 @@ def calibrate_cpu(cfg: dict, threads: int, where: str, sync=lambda: None, light:
             for n in ((8, 16) if light else (16, 32, 64)) for seed in ((1,) if light else (1, 2, 3))]
     done(f"{len(rows)} trainer steps timed")
     inv, over = fit([[c, 1.0] for c, _ in rows], [t for _, t in rows], [t for _, t in rows])
-    buf = torch.empty(m.params, dtype=torch.float32)
+    buf = torch.empty(m.params, dtype=torch.float32, device=device)
 
     def copy_time() -> float:
+        wait()
         t0 = time.perf_counter()
         buf.clone()
+        wait()
         return time.perf_counter() - t0
     return replace(hw, train_mfu=1.0 / max(inv, 1e-12), train_overhead_s=over,
                    interconnect_bw=2 * buf.numel() * 4 / med(copy_time))   # a transfer costs 2n / bw
@@ -715,7 +732,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", help=f"a preset ({', '.join(MODELS)}), a config.json, or a model as train.py "
                                     "takes it: an HF directory, a .gguf file or a hub id")
     ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))
-    ap.add_argument("--hardware", default="cpu", help=f"cpu (calibrated here), {', '.join(PRESETS)}, or a JSON file")
+    ap.add_argument("--hardware", default="cpu",
+                    help=f"cpu or cuda (this machine, calibrated here), {', '.join(PRESETS)}, or a JSON file")
     ap.add_argument("--threads", type=int, help="cpu: torch threads per rank (default: the run's run.num_threads)")
     ap.add_argument("--dp", type=int, help="data-parallel ranks (default: the run's)")
     ap.add_argument("--tp", type=int, default=1)
@@ -750,12 +768,16 @@ def main(argv: list[str] | None = None) -> int:
         dtype = a.dtype or (_cfg(cfg, "rollout", "dtype") if a.run and not a.model else None)
         m = ModelShape.from_config(mcfg, where, dtype)
         first = runs[0][1][0]["measured"] if runs and runs[0][1] else {}
+        if a.hardware == "cuda":
+            import torch
+            if not torch.cuda.is_available():
+                raise ValueError("--hardware cuda calibrates this machine's GPU: none is visible")
         if a.hardware == "cpu" and m.params > 2e9:
             raise ValueError(f"--hardware cpu calibrates on a model of {m.name}'s shape ({m.params / 1e9:.3g}B "
                              f"parameters in fp32): pass a GPU preset ({', '.join(PRESETS)}) or a hardware JSON")
-        if a.hardware == "cpu":
-            hw = cpu_preset(mcfg, a.threads or _cfg(cfg, "run", "num_threads", default=1), where,
-                            a.dp or len(first.get("rank_busy_time") or [0]))
+        if a.hardware in ("cpu", "cuda"):
+            hw = calibrated(mcfg, a.threads or _cfg(cfg, "run", "num_threads", default=1), where,
+                            a.dp or len(first.get("rank_busy_time") or [0]), a.hardware)
         elif a.hardware in PRESETS:
             hw = PRESETS[a.hardware]
         else:
@@ -764,9 +786,11 @@ def main(argv: list[str] | None = None) -> int:
                      a.max_seqs or _cfg(cfg, "rollout", "max_num_seqs", default=64 if a.run else 256),
                      _cfg(cfg, "rollout", "block_size", default=16))
         ref = _cfg(cfg, "grpo", "beta", default=0.0) > 0
-        # measured vs predicted only for a replay of the run as it ran (its machine: cpu or a hardware
-        # JSON such as a saved calibration; its ranks and drafts)
-        projecting = (a.hardware in PRESETS or lay.tp != 1 or a.acceptance is not None
+        # measured vs predicted only for a replay of the run as it ran (its machine: cpu, a hardware
+        # JSON such as a saved calibration, or a GPU preset for a run that rolled out on a GPU; its
+        # ranks and drafts)
+        on_gpu = str(_cfg(cfg, "rollout", "device", default="cpu")).startswith("cuda")
+        projecting = ((a.hardware in PRESETS and not on_gpu) or lay.tp != 1 or a.acceptance is not None
                       or lay.dp != len(first.get("rank_busy_time") or [0]))
     except (ValueError, OSError, KeyError, json.JSONDecodeError) as e:
         print(f"simulate: error: {e}", file=sys.stderr)
