@@ -19,6 +19,7 @@ from nanospec.tasks import DatasetTask, RewardError, build_tiny_vocab_tokenizer,
 OFF = {"bubble_drafting": False, "length_aware_assignment": False, "length_classes": [], "toggle": False,
        "adaptive_draft_length": False}
 CALLS = []      # what the reward functions below were called with
+BREVITY = []    # what brevity returned, call by call
 
 
 # ---- reward functions, as a TRL user writes them --------------------------------------------------
@@ -31,7 +32,8 @@ def exact_sum(prompts, completions, answer, **kwargs):
 
 def brevity(prompts, completions, completion_ids, kind, **kwargs):
     """-0.01 per token, where it applies (None on rows of kind 'free')."""
-    return [None if k == "free" else -0.01 * len(ids) for ids, k in zip(completion_ids, kind)]
+    BREVITY.append([None if k == "free" else -0.01 * len(ids) for ids, k in zip(completion_ids, kind)])
+    return BREVITY[-1]
 
 
 def wrong_length(prompts, completions, **kwargs):
@@ -92,6 +94,7 @@ def trained(setup, tmp_path_factory):
                   reward_weights=[1.0, 0.5], num_test=4)
     raw["run"]["log_to"] = ["jsonl", "tensorboard"]
     CALLS.clear()
+    BREVITY.clear()
     Trainer(config_from_dict(raw), log=lambda *a: None).train()
     return out, load_metrics(str(out / "metrics.jsonl")), list(CALLS)
 
@@ -103,6 +106,12 @@ def test_trl_layout_trains_with_speculative_rollouts(trained):
         assert 0 <= r["reward/exact_sum"] <= 1 and -0.13 <= r["reward/brevity"] < 0
         assert r["speculative"] == "suffix" and r["mismatch/mean_abs"] < 1e-5
     assert recs[1]["drafter/suffix/proposed"] > 0               # the rollouts did speculate
+    # reward/<name> is the mean where the function applies: its None rows are left out, not counted as 0
+    steps = BREVITY[2:4]                                        # eval greedy, eval samples, then steps 0, 1
+    assert any(None in vals for vals in steps), steps
+    for r, vals in zip(recs, steps):
+        applies = [v for v in vals if v is not None]
+        assert r["reward/brevity"] == pytest.approx(sum(applies) / len(applies))
     # TRL's calling convention: conversational prompts/completions, the other columns as keywords
     assert [len(c["completions"]) for c in calls[:3]] == [4, 16, 8]   # eval: greedy, 4 samples; step 0
     c = calls[2]                                                       # this rank's samples, in one call

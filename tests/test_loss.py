@@ -4,6 +4,8 @@ import math
 import pytest
 import torch
 
+from nanospec.config import GRPOConfig
+from nanospec.rl.grpo import shape_rewards
 from nanospec.rl.loss import (group_advantages, logprob_mismatch, overlong_penalty, policy_loss, tis_weights,
                               token_logprobs)
 
@@ -28,9 +30,11 @@ def test_overlong_penalty_is_dapo_eq13():
     lengths = torch.tensor([10, 96, 104, 120, 128])
     assert overlong_penalty(lengths, 128, 32).tolist() == A([0.0, 0.0, -0.25, -0.75, -1.0])
     assert overlong_penalty(lengths, 128, 32, factor=0.5).tolist() == A([0.0, 0.0, -0.125, -0.375, -0.5])
-    # shaped rewards -> advantages: the truncated sample of a group drops below a wrong finished one
-    shaped = torch.tensor([1.0, 0.0, 0.0, 0.0]) + overlong_penalty(torch.tensor([50, 60, 128, 70]), 128, 32)
+    # the trainer's shaping -> advantages: the truncated sample of a group drops below a wrong finished one
+    g = GRPOConfig(max_completion_length=128, overlong_buffer=32)
+    shaped = shape_rewards([1.0, 0.0, 0.0, 0.0], [50, 60, 128, 70], g)
     assert group_advantages(shaped, 4, scale_rewards=False).tolist() == A([1.0, 0.0, -1.0, 0.0])
+    assert shape_rewards([1.0, 0.0], [50, 128], GRPOConfig(max_completion_length=128)).tolist() == [1.0, 0.0]
 
 
 def _batch(ratios, old=None):

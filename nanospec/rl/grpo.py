@@ -48,7 +48,7 @@ from tqdm.auto import tqdm
 from nanospec.rl import dist
 from nanospec.rl.checkpoint import (MANIFEST, engine_state, list_checkpoints, load_checkpoint, load_engine_state, load_sharded,
                                     resume_point, rng_state, save_checkpoint, set_rng_state)
-from nanospec.config import config_to_dict, save_config, validate_world
+from nanospec.config import GRPOConfig, config_to_dict, save_config, validate_world
 from nanospec.rl.dist import all_reduce_grads, hash_seed
 from nanospec.rl.faults import fault_point
 from nanospec.drafters.chain import find_drafter, members
@@ -94,6 +94,16 @@ class MicroBatch:
     rollout_lp: torch.Tensor   # [B, T] engine logprobs
     from_verify: torch.Tensor  # [B, T] bool
     adv: torch.Tensor          # [B]
+
+
+def shape_rewards(rewards: list[float], lengths: list[int], g: GRPOConfig) -> torch.Tensor:
+    """-> [N] what the advantages see: the task's rewards plus, with grpo.overlong_buffer, DAPO's soft
+    overlong penalty (eq. 13, <= 0). The logged reward stays the task's."""
+    shaped = torch.tensor(rewards, dtype=torch.float32)
+    if g.overlong_buffer:
+        shaped = shaped + overlong_penalty(torch.tensor(lengths), g.max_completion_length, g.overlong_buffer,
+                                           g.overlong_penalty)
+    return shaped
 
 
 def make_microbatch(samples: list[Sample], adv: torch.Tensor, pad_id: int, device) -> MicroBatch:
@@ -334,10 +344,7 @@ class Trainer:
         g, t0 = self.cfg.grpo, time.perf_counter()
         texts = [self.text(s) for s in samples]
         rewards, correct, parts = self.score([s.problem for s in samples], texts, [s.completion_ids for s in samples])
-        shaped = torch.tensor(rewards)                                                 # [N]
-        if g.overlong_buffer:   # the task's reward stays what is logged; the penalty shapes the advantage
-            shaped = shaped + overlong_penalty(torch.tensor([len(s.completion_ids) for s in samples]),
-                                               g.max_completion_length, g.overlong_buffer, g.overlong_penalty)
+        shaped = shape_rewards(rewards, [len(s.completion_ids) for s in samples], g)        # [N]
         adv = group_advantages(shaped, g.num_generations, g.scale_rewards)
         # truncated = stopped by max_completion_length. Their rewards and advantages stay in their
         # groups; with mask_truncated_completions (TRL's name, DAPO's overlong filtering) their tokens
