@@ -57,14 +57,18 @@ class Hardware:
     train_mfu: float = 1.0            # achievable fraction of peak FLOP/s in the trainer's forward + backward
     train_overhead_s: float = 0.0     # per optimizer step outside the FLOPs (rewards, batching, launches)
     draft_seq_s: float = 0.0          # a history drafter's host time per drafting row per step
+    draft_step_overhead_s: float = 0.0  # a draft head's host time per forward (one per draft position)
 
 
 # Peak numbers from NVIDIA's public data sheets (H100 SXM5 / H200 SXM: dense BF16 989 TFLOP/s without
 # sparsity, HBM3 3.35 TB/s / HBM3e 4.8 TB/s, NVLink 4 900 GB/s). The rest are assumptions, not
 # data-sheet numbers: 80% of HBM bandwidth in decode GEMVs, 60% of peak in verify GEMMs, 40% MFU in
 # training, 1 ms of host time per engine step (CUDA graphs on), and 20 us of host time per drafting
-# row for a history drafter (suffix: 14-42 us per row-step on the 2-core box, docs/results.md).
-_GPU = dict(step_overhead_s=1e-3, flops_eff=0.6, bw_eff=0.8, train_mfu=0.4, draft_seq_s=2e-5)
+# row for a history drafter (suffix: 14-42 us per row-step on the 2-core box, docs/results.md). One
+# measurement: a draft head's eager forward took 1.05-1.95 ms on the H200 at B = 1-64, launch-bound
+# (.gpu/headcost.py in docs/results.md); 1.2 ms is its B=1-8 figure at a 0.5B shape.
+_GPU = dict(step_overhead_s=1e-3, flops_eff=0.6, bw_eff=0.8, train_mfu=0.4, draft_seq_s=2e-5,
+            draft_step_overhead_s=1.2e-3)
 PRESETS = {"h100": Hardware("h100", 989e12, 3.35e12, 900e9, **_GPU),
            "h200": Hardware("h200", 989e12, 4.8e12, 900e9, **_GPU)}
 
@@ -82,11 +86,18 @@ class ModelShape:
     vocab: int
     tied: bool
     dtype_bytes: int = 2
+    extra_params: int = 0             # matmul weights outside the layers (a draft head's fc)
 
     @property
     def matmul_params(self) -> int:   # per layer: q, k, v, o + SwiGLU gate, up, down; + the LM head
         return self.layers * (self.hidden * self.head_dim * 2 * (self.heads + self.kv_heads)
-                               + 3 * self.hidden * self.ffn) + self.vocab * self.hidden
+                               + 3 * self.hidden * self.ffn) + self.vocab * self.hidden + self.extra_params
+
+    def draft_head(self, draft_vocab: int | None = None) -> "ModelShape":
+        """EAGLE's head on this model (drafters/head.py): fc [2D -> D], one layer of this shape, the LM
+        head's rows of the draft vocabulary."""
+        return replace(self, name=f"{self.name} head", layers=1, vocab=draft_vocab or self.vocab,
+                       extra_params=2 * self.hidden * self.hidden)
 
     @property
     def params(self) -> int:          # + the input embedding when it is not the LM head
@@ -225,8 +236,16 @@ def memory_rows(m: ModelShape, ranks: int, kv_tokens: int, device_bytes: float) 
 
 
 # ---- speculation --------------------------------------------------------------------------------------
-def leviathan(a: float, k: float) -> float:
-    """Expected tokens per verify of k drafts at per-token acceptance a (Leviathan et al., eq. 1)."""
+def leviathan(a: float | tuple, k: float) -> float:
+    """Expected tokens per verify of k drafts at per-token acceptance a (Leviathan et al., eq. 1), or
+    at per-position acceptances a = (a_1, a_2, ...), each given that the drafts before it were
+    accepted (a drafter's accept_pos<j>; the last repeats): 1 + sum_j prod_{i <= j} a_i."""
+    if isinstance(a, tuple):
+        out, reach = 1.0, 1.0
+        for j in range(int(k)):
+            reach *= a[min(j, len(a) - 1)]
+            out += reach
+        return out
     return k + 1.0 if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
 
 
@@ -245,10 +264,20 @@ class Spec:
     """How decode rows speculate. Spec() is AR. `drafters`: [(share of row-forwards that verify with it,
     draft length k, acceptance a)], replayed as measured; `on`: share of engine steps that verify.
     best_k > 0: every row drafts the k in 0..best_k that maximises tokens per second at this step's
-    B and C (an adaptive controller) with acceptance `drafters[0]`'s a."""
+    B and C (an adaptive controller) with acceptance `drafters[0]`'s a. `head`: the drafter is a draft
+    head of this shape, whose k forwards per drafting step are priced (projections only)."""
     drafters: tuple = ()
     on: float = 0.0
     best_k: int = 0
+    head: ModelShape | None = None
+
+    def draft_time(self, hw: Hardware, B: int, C: float, k: float) -> float:
+        """A head's k forwards over B rows at context C (each one token a row: the catch-up rides on
+        the first), eager: its own host time per forward, not the graphed engine step's."""
+        if self.head is None or k <= 0:
+            return 0.0
+        eager = replace(hw, step_overhead_s=hw.draft_step_overhead_s, seq_overhead_s=0.0, verify_overhead_s=0.0)
+        return k * step_time(eager, self.head, 1, B, B, B * C, B * C)
 
     def replay_q(self) -> float:
         """Query tokens per row of a replayed trace (1 + drafts per row-forward); 1 when choosing k."""
@@ -328,7 +357,7 @@ def drain(hw: Hardware, m: ModelShape, lay: Layout, groups: list, spec: Spec,
             else:
                 C = sum(ctx) / B
                 cost = lambda q, v: (step_time(hw, m, tp, B, B * q, B * C, B * q * (C + q / 2), v)
-                                     + hw.draft_seq_s * B * v)
+                                     + (spec.draft_time(hw, B, C, q - 1) if spec.head else hw.draft_seq_s * B * v))
                 q, tau, v = spec.choose(cost)
                 dt, taus = cost(q, v), [tau] * B
             rem, ctx = [x - u for x, u in zip(rem, taus)], [c + u for c, u in zip(ctx, taus)]
@@ -719,6 +748,13 @@ def validate(label: str, trace: list[dict], res: dict) -> list[dict]:
     return out
 
 
+def _acceptance(text: str) -> float | tuple:
+    values = tuple(float(x) for x in text.split(","))
+    if not all(0.0 <= v <= 1.0 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected numbers in [0, 1], comma-separated")
+    return values[0] if len(values) == 1 else values
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m nanospec.simulate", description=__doc__.splitlines()[0])
     ap.add_argument("--run", help="RUN_DIR (metrics.jsonl, config.yaml) or a bench JSON whose rows keep 'steps'")
@@ -727,8 +763,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--G", type=int, default=16, help="--lengths: samples per prompt")
     ap.add_argument("--steps", type=int, default=8, help="--lengths: steps")
     ap.add_argument("--length-scale", type=float, default=1.0, help="--lengths: stretch every response")
-    ap.add_argument("--acceptance", type=float, help="per-token draft acceptance; spec rows then draft the best k")
+    ap.add_argument("--acceptance", type=_acceptance,
+                    help="per-token draft acceptance (0.4), or per draft position (0.8,0.6,0.5: each given the "
+                         "drafts before it were accepted); spec rows then draft the best k")
     ap.add_argument("--draft-len", type=int, default=8, help="largest k with --acceptance")
+    ap.add_argument("--drafter", default="history", choices=("history", "head"),
+                    help="--acceptance: history drafters (host time per row) or a draft head (its forwards priced)")
+    ap.add_argument("--draft-vocab", type=int, help="--drafter head: its draft vocabulary (default: the model's)")
     ap.add_argument("--model", help=f"a preset ({', '.join(MODELS)}), a config.json, or a model as train.py "
                                     "takes it: an HF directory, a .gguf file or a hub id")
     ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))
@@ -767,6 +808,11 @@ def main(argv: list[str] | None = None) -> int:
         mcfg, where = load_model_config(spec_model)
         dtype = a.dtype or (_cfg(cfg, "rollout", "dtype") if a.run and not a.model else None)
         m = ModelShape.from_config(mcfg, where, dtype)
+        if a.drafter == "head":
+            if a.acceptance is None:
+                raise ValueError("--drafter head needs --acceptance (the head's, per draft position)")
+            head = m.draft_head(a.draft_vocab)
+            runs = [(label, [dict(st, spec=replace(st["spec"], head=head)) for st in tr]) for label, tr in runs]
         first = runs[0][1][0]["measured"] if runs and runs[0][1] else {}
         if a.hardware == "cuda":
             import torch

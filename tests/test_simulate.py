@@ -70,6 +70,23 @@ def test_leviathan_and_its_inverse():
         assert sim.alpha_from_rate(rate, k) == pytest.approx(a, abs=1e-6)
 
 
+def test_per_position_acceptance_and_a_priced_head():
+    # acceptance per draft position, each given the ones before (accept_pos<j>); the last repeats
+    assert sim.leviathan((1.0, 0.5), 3) == pytest.approx(1 + 1 + 0.5 + 0.25)
+    assert sim.leviathan((0.6,), 4) == pytest.approx(sim.leviathan(0.6, 4))
+    hw, m = sim.PRESETS["h100"], shape()
+    head = m.draft_head(32000)
+    assert head.layers == 1 and head.vocab == 32000 and head.matmul_params < m.matmul_params / 20
+    lay, acc = sim.Layout(2), (0.8, 0.7, 0.6, 0.5)
+    ar = sim.simulate(trace(), hw, m, lay, "ar")["sync_mean"]["time_rollout"]
+    run = lambda hw, head: sim.simulate(trace(spec=sim.Spec(((1.0, 4, acc),), 1.0, 4, head)), hw, m, lay,
+                                        "spec")["sync_mean"]["time_rollout"]
+    free, priced = run(hw, None), run(hw, head)
+    assert free < priced < ar                              # its forwards cost, and it still pays here
+    # a head forward costing a decode step's worth each: no k pays, the rows decode as AR
+    assert run(sim.replace(hw, draft_step_overhead_s=1.0), head) == pytest.approx(ar)
+
+
 def trace(steps=3, G=4, lens=(10, 40, 80, 20, 5, 60, 30, 90), spec=None):
     groups = [(16, list(lens[i * G:(i + 1) * G])) for i in range(len(lens) // G)]
     return [dict(step=s, groups=groups, ranks=[0, 1], spec=spec or sim.Spec(), measured={}) for s in range(steps)]
