@@ -3,6 +3,7 @@
     python eval.py --model runs/default --task synthetic [--n 256] [--k 4]
     python eval.py --model /path/to/Qwen3 --task gsm8k --data /path/to/gsm8k --n 100
     python eval.py --model runs/smollm2_dataset --config configs/smollm2_dataset.yaml   # your dataset + rewards
+    python eval.py --model runs/smollm2_dataset --task.dataset=my.jsonl    # + any --section.key=value override
 
 Reports (JSON on stdout, also --out FILE):
   pass@1          greedy accuracy (task.is_correct; a dataset task: its first reward function gives 1),
@@ -30,12 +31,11 @@ DEFAULT_SPEC = [{"method": "prior", "num_draft_tokens": 8}, {"method": "suffix",
 
 
 def resolve(path: str):
-    """-> (model dir, run config or None). A run dir resolves to its latest complete checkpoint."""
+    """-> (model dir, the run's config.yaml or None). A run dir resolves to its latest complete checkpoint."""
     from nanospec.rl.checkpoint import latest_checkpoint, verify_checkpoint
-    from nanospec.config import load_config
     from nanospec.models.hub import resolve_model
     p = Path(path)
-    cfg = load_config(p / "config.yaml") if (p / "config.yaml").is_file() else None
+    cfg = p / "config.yaml" if (p / "config.yaml").is_file() else None
     if (p / "config.json").is_file() or not p.is_dir():    # an HF dir, a .gguf file or a hub id
         return resolve_model(p), cfg
     ck = latest_checkpoint(p)
@@ -70,7 +70,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--threads", type=int, default=1, help="torch threads (tiny models: 1 is fastest)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="also write the JSON here")
-    a = ap.parse_args(argv)
+    a, overrides = ap.parse_known_args(argv)    # + --section.key=value on the config, as train.py takes them
+    if any(not o.startswith("--") or "." not in o.split("=")[0] for o in overrides):
+        ap.error(f"unrecognized arguments: {' '.join(overrides)} (config overrides are --section.key=value)")
     if a.n < 1 or a.k < 0:
         ap.error(f"--n must be >= 1 and --k >= 0, got n={a.n}, k={a.k}")
 
@@ -81,9 +83,11 @@ def main(argv=None) -> dict:
     from nanospec.tasks import format_prompt, get_task, gsm8k_task, score, task_from_config
 
     torch.set_num_threads(a.threads)
-    model_dir, cfg = resolve(a.model)
+    model_dir, run_cfg = resolve(a.model)
     try:    # bad input (config, data, reward functions): one line and exit 2, as train.py
-        cfg = load_config(a.config) if a.config else cfg
+        if overrides and not (a.config or run_cfg):
+            raise ValueError(f"{overrides[0]}: a config override needs --config or a run dir")
+        cfg = load_config(a.config or run_cfg, overrides) if a.config or run_cfg else None
         name = a.task or (cfg.task.name if cfg else "synthetic")
         if name == "gsm8k":
             data = Path(a.data) if a.data else None

@@ -63,6 +63,15 @@ def test_eval_run_dir_uses_latest_checkpoint_and_run_config(synthetic_model, tmp
     check(res, 4)
     assert res["model"].endswith("step_000002") and res["speculative"]["method"] == "ngram"
     assert res["response_len_max"] <= 16
+    # the run's config takes --section.key=value overrides, as train.py; a bad one is one line, exit 2
+    res = ev.main(["--model", str(run), "--n", "4", "--k", "0", "--threads", "1", "--task.max_steps=1",
+                   "--grpo.max_completion_length=8",
+                   "--rollout.speculative={method: suffix, num_draft_tokens: 2}"])
+    assert res["response_len_max"] <= 8 and res["speculative"]["method"] == "suffix"
+    for bad in ("--grpo.max_completion_lenght=6", "--stray"):
+        with pytest.raises(SystemExit) as e:
+            ev.main(["--model", str(run), "--n", "2", "--k", "0", bad])
+        assert e.value.code == 2
     (run / "checkpoints" / "step_000002" / "config.json").write_text("{}")
     with pytest.raises(ValueError, match="config.json"):
         ev.main(["--model", str(run), "--n", "2", "--k", "0", "--threads", "1"])
