@@ -6,8 +6,8 @@ import torch
 
 from nanospec.config import GRPOConfig
 from nanospec.rl.grpo import shape_rewards
-from nanospec.rl.loss import (group_advantages, logprob_mismatch, overlong_penalty, policy_loss, tis_weights,
-                              token_logprobs)
+from nanospec.engine.sampler import token_logprobs
+from nanospec.rl.loss import group_advantages, logprob_mismatch, overlong_penalty, policy_loss, tis_weights
 
 A = pytest.approx
 

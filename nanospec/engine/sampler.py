@@ -89,7 +89,18 @@ def sample(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return idx.clamp_(max=p.shape[-1] - 1)
 
 
-def token_logprobs(logits: torch.Tensor, temperature: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """log_softmax(logits / T)[tokens] over the full vocabulary. logits [B, Q, V], tokens [B, Q]."""
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: torch.Tensor | float,
+                   rows: torch.Tensor | None = None) -> torch.Tensor:
+    """log_softmax(logits / T)[tokens] over the full vocabulary, before top-k/top-p: the logprobs the
+    engine reports with each token (verify.py) and the trainer recomputes (rl/grpo.py), one function so
+    the two cannot drift apart. logits [B, ..., V], tokens [B, ...]; temperature [B] or one float (0,
+    greedy, is treated as 1); rows [B, Q]: logits [N, V] holds only the rows these index (the verify's
+    kept positions) -> [B, Q]. Differentiable w.r.t. logits; float32 whatever their dtype."""
+    if not torch.is_tensor(temperature):
+        if temperature < 0:
+            raise ValueError(f"temperature: expected >= 0, got {temperature}")
+        temperature = torch.full((logits.shape[0],), float(temperature), device=logits.device)
     x = scaled(logits.float(), temperature)
-    return x.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - x.logsumexp(-1)
+    if rows is None:
+        return x.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - x.logsumexp(-1)
+    return x[rows, tokens] - x.logsumexp(-1)[rows]

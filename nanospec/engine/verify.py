@@ -78,9 +78,7 @@ def verify(logits: torch.Tensor, draft: torch.Tensor, num_draft: torch.Tensor, s
     tokens = F.pad(draft, (0, 1))
     tokens[rows, n] = final
     # reported logprobs: log_softmax(logits / T)[token], one logsumexp per real position (sampler.py)
-    x = sampler.scaled(logits.float(), st_n.temperature)
-    logprobs = x[index, tokens] - x.logsumexp(-1)[index]
-    return n, tokens, logprobs
+    return n, tokens, sampler.token_logprobs(logits, tokens, st_n.temperature, rows=index)
 
 
 def _leading(accept: torch.Tensor, num_draft: torch.Tensor) -> torch.Tensor:

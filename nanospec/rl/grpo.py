@@ -54,11 +54,12 @@ from nanospec.rl.faults import fault_point
 from nanospec.drafters.chain import find_drafter, members
 from nanospec.drafters.head import completion_mask, head_loss
 from nanospec.engine.llm import LLM, frozen_heap
+from nanospec.engine.sampler import token_logprobs
 from nanospec.models.hub import resolve_model
 from nanospec.models.loader import load_model
 from nanospec.models.decoder import drop_packed_weights
 from nanospec.rl.loss import (group_advantages, logprob_mismatch, overlong_penalty, policy_loss, tis_weights,
-                             token_entropy, token_logprobs)
+                             token_entropy)
 from nanospec.rl.report import headline, load_metrics
 from nanospec.rl.rollout import RolloutWorker, Sample
 from nanospec.rl.sharding import (clip_grad_norm_, full_weights, load_training_state, shard_policy, state_bytes,

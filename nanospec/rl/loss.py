@@ -27,7 +27,6 @@ import torch
 from torch import Tensor
 
 from nanospec.config import LOSS_TYPES, TIS_MODES
-from nanospec.engine import sampler
 
 
 def _check(name: str, t: Tensor, shape: tuple) -> None:
@@ -196,27 +195,11 @@ def logprob_mismatch(train_logp: Tensor, rollout_logp: Tensor, mask: Tensor,
     return out
 
 
-def token_logprobs(logits: Tensor, tokens: Tensor, temperature: float = 1.0) -> Tensor:
-    """log softmax(logits / temperature)[tokens] over the full vocab, before top-k/top-p -> [B,T].
-
-    The trainer's recompute of the engine's `.logprobs`: the checked entry point to the one function
-    both use (sampler.token_logprobs), so rollout and trainer cannot drift apart. Temperature 0
-    (greedy) is treated as 1; differentiable w.r.t. logits.
-    """
-    if logits.dim() != 3:
-        raise ValueError(f"logits: expected [B, T, V], got shape {tuple(logits.shape)}")
-    _check("tokens", tokens, logits.shape[:2])
-    if temperature < 0:
-        raise ValueError(f"temperature: expected >= 0, got {temperature}")
-    t = torch.full((logits.shape[0],), float(temperature), device=logits.device)        # [B]
-    return sampler.token_logprobs(logits, t, tokens.long())
-
-
 def token_entropy(logits: Tensor, temperature: float = 1.0) -> Tensor:
     """Entropy of softmax(logits / T) at each position, in nats, no grad -> [B,T] (TRL's and verl's
     `entropy`): H = logsumexp(z) - sum_v softmax(z)_v z_v, z = logits / T. Falling towards 0 means the
     policy is collapsing onto one continuation; rising means it is spreading mass, e.g. onto rambling.
-    Temperature 0 (greedy) is treated as 1, as in `token_logprobs`."""
+    Temperature 0 (greedy) is treated as 1, as in `sampler.token_logprobs`."""
     with torch.no_grad():
         z = logits.float() / (temperature or 1.0)
         return z.logsumexp(-1) - (torch.softmax(z, -1) * z).sum(-1)
