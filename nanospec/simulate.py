@@ -66,7 +66,7 @@ class Hardware:
 # training, 1 ms of host time per engine step (CUDA graphs on), and 20 us of host time per drafting
 # row for a history drafter (suffix: 14-42 us per row-step on the 2-core box, docs/results.md). One
 # measurement: a draft head's eager forward took 1.05-1.95 ms on the H200 at B = 1-64, launch-bound
-# (.gpu/headcost.py in docs/results.md); 1.2 ms is its B=1-8 figure at a 0.5B shape.
+# (docs/results.md, "The second GPU run"); 1.2 ms is its B=1-8 figure at a 0.5B shape.
 _GPU = dict(step_overhead_s=1e-3, flops_eff=0.6, bw_eff=0.8, train_mfu=0.4, draft_seq_s=2e-5,
             draft_step_overhead_s=1.2e-3)
 PRESETS = {"h100": Hardware("h100", 989e12, 3.35e12, 900e9, **_GPU),
@@ -526,12 +526,12 @@ def calibrated(cfg: dict, threads: int = 1, where: str = "config.json", ranks: i
     import torch
     from nanospec.models.hub import cache_dir
     info = Path("/proc/cpuinfo")
-    cpu = next((ln.split(":", 1)[1].strip() for ln in info.read_text().splitlines() if ln.startswith("model name")),
-               platform.processor()) if info.is_file() else platform.processor()
+    machine = next((ln.split(":", 1)[1].strip() for ln in info.read_text().splitlines() if ln.startswith("model name")),
+                   platform.processor()) if info.is_file() else platform.processor()
     if device != "cpu":
-        cpu = torch.cuda.get_device_name(0)
-    key = json.dumps([cfg, threads, ranks, cpu, os.cpu_count(), torch.__version__, 7] + [device] * (device != "cpu"),
-                     sort_keys=True, default=str)
+        machine = torch.cuda.get_device_name(0)
+    key = json.dumps([cfg, threads, ranks, machine, os.cpu_count(), torch.__version__, 7]
+                     + [device] * (device != "cpu"), sort_keys=True, default=str)
     path = cache_dir() / "profiles" / f"sim_{device}_{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
     if path.is_file():
         return Hardware(**json.loads(path.read_text()))
@@ -540,7 +540,8 @@ def calibrated(cfg: dict, threads: int = 1, where: str = "config.json", ranks: i
     params = ModelShape.from_config(cfg, where, "float32").params
     light = params > LIGHT_PARAMS
     fits_per_rank = 1 if light else CALIBRATIONS
-    print(f"simulate: calibrating {cpu if device != 'cpu' else 'this CPU'} on a random {params / 1e6:.0f}M-parameter model of this shape "
+    print(f"simulate: calibrating {machine if device != 'cpu' else 'this CPU'} on a random "
+          f"{params / 1e6:.0f}M-parameter model of this shape "
           f"({ranks} process(es) x {threads} thread(s), {fits_per_rank} fit(s) each; about "
           f"{'2-3 min' if light else '1 min'} on an idle 2-core box; cached in {path})", flush=True)
     ctx = multiprocessing.get_context("spawn")
@@ -599,7 +600,8 @@ def calibrate(cfg: dict, threads: int, where: str, sync=lambda: None, light: boo
     m = ModelShape.from_config(cfg, where, "bfloat16" if gpu else "float32")
     args = ModelArgs.from_hf(dict(cfg, model_type=cfg.get("model_type", "llama")), where)
     maxlen = min(args.max_position_embeddings, 256)
-    llm = LLM(CausalLM(args).to(device).eval(), None, max_num_seqs=64, max_model_len=maxlen, controller=SpeculationConfig(),
+    llm = LLM(CausalLM(args).to(device).eval(), None, max_num_seqs=64, max_model_len=maxlen,
+              controller=SpeculationConfig(),
               speculative=[{"method": "prior", "num_draft_tokens": 8}, {"method": "suffix", "num_draft_tokens": 8}],
               device=device, dtype="bfloat16" if gpu else "float32", use_cuda_graphs=gpu,
               num_kv_blocks=4 * 64 * maxlen // 16 if gpu else None)     # not half the GPU's memory
