@@ -191,8 +191,16 @@ def rollouts(model_dir, model, tok, opts, workdir) -> list[dict]:
                              len_mean=statistics.fmean(n for n, _ in mine),
                              reward_mean=statistics.fmean(r for _, r in mine),
                              len_ks_p=float(ks_2samp([n for n, _ in mine], [n for n, _ in ar]).pvalue),
-                             lossy=acc[name, h][2]["lossy"]))
+                             lossy=acc[name, h][2]["lossy"], **accept_by_position([acc[name, p][2] for p in passes])))
     return rows
+
+
+def accept_by_position(summaries: list[dict]) -> dict:
+    """drafter/<name>/accept_pos<j> (acceptance at draft position j, given the drafts before it were
+    accepted), the mean over the passes that drafted there."""
+    keys = sorted({k for s in summaries for k in s if "/accept_pos" in k})
+    return {k: statistics.fmean(s[k] for s in summaries if s.get(k) is not None) for k in keys
+            if any(s.get(k) is not None for s in summaries)}
 
 
 def run(args) -> list[dict]:

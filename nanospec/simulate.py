@@ -198,6 +198,21 @@ def train_time(hw: Hardware, m: ModelShape, seqs_per_rank: list[list[tuple[int, 
     return compute + allreduce + 28 * m.params / (hw.mem_bw * hw.bw_eff) + hw.train_overhead_s
 
 
+def head_train_time(hw: Hardware, head: ModelShape, st: dict) -> float:
+    """The draft head's online step (rl/grpo.train_head, drafters/head.head_loss) on the positions the
+    trace says it learned from (`head/positions`, per rank: whole sequences, so their prompts ride
+    along): UNROLL passes of forward + backward through its fc and layer over every token and its LM
+    rows over the counted positions, the teacher's forward over them, then AdamW on its weights."""
+    from nanospec.drafters.head import UNROLL
+    ranks = max(len(st["measured"].get("rank_busy_time") or [1]), 1)
+    positions = (st["measured"].get("head/positions") or 0) / ranks
+    lens = [(p, L) for p, ls in st["groups"] for L in ls]
+    tokens = positions * sum(p + L for p, L in lens) / max(sum(L for _, L in lens), 1)
+    body, rows = head.matmul_params - head.vocab * head.hidden, head.vocab * head.hidden
+    flops = UNROLL * 6 * (body * tokens + rows * positions) + 2 * rows * positions
+    return flops / (hw.flops * hw.train_mfu) + 28 * head.params / (hw.mem_bw * hw.bw_eff)
+
+
 def weight_sync_time(hw: Hardware, m: ModelShape, colocated: bool) -> float:
     """Colocated (sync): the engine copies the trainer's weights in device memory (read + write).
     Disaggregated (async): the weights are broadcast to the generation group over one direction of
@@ -264,12 +279,14 @@ class Spec:
     """How decode rows speculate. Spec() is AR. `drafters`: [(share of row-forwards that verify with it,
     draft length k, acceptance a)], replayed as measured; `on`: share of engine steps that verify.
     best_k > 0: every row drafts the k in 0..best_k that maximises tokens per second at this step's
-    B and C (an adaptive controller) with acceptance `drafters[0]`'s a. `head`: the drafter is a draft
-    head of this shape, whose k forwards per drafting step are priced (projections only)."""
+    B and C (an adaptive controller) with acceptance `drafters[0]`'s a. `head`: a draft head of this
+    shape drafts, and its forwards are priced: k per drafting step when choosing k; replayed, as the
+    trace's `head_use` = (share of engine steps it drafts on, forwards on each, rows in each)."""
     drafters: tuple = ()
     on: float = 0.0
     best_k: int = 0
     head: ModelShape | None = None
+    head_use: tuple = (0.0, 0.0, 0.0)
 
     def draft_time(self, hw: Hardware, B: int, C: float, k: float) -> float:
         """A head's k forwards over B rows at context C (each one token a row: the catch-up rides on
@@ -278,6 +295,14 @@ class Spec:
             return 0.0
         eager = replace(hw, step_overhead_s=hw.draft_step_overhead_s, seq_overhead_s=0.0, verify_overhead_s=0.0)
         return k * step_time(eager, self.head, 1, B, B, B * C, B * C)
+
+    def drafting_time(self, hw: Hardware, B: int, C: float, q: float, verify: float) -> float:
+        """One step's drafting beside the forward: the chosen k's head forwards (q - 1 drafts a row),
+        or, replaying a trace, the history drafters' host time per row and the head's expected forwards."""
+        if self.best_k and self.head:
+            return self.draft_time(hw, B, C, q - 1)
+        share, k, rows = self.head_use
+        return hw.draft_seq_s * B * verify + (share * self.draft_time(hw, rows, C, k) if share else 0.0)
 
     def replay_q(self) -> float:
         """Query tokens per row of a replayed trace (1 + drafts per row-forward); 1 when choosing k."""
@@ -303,7 +328,9 @@ def spec_from_metrics(r: dict) -> Spec:
         if v and prop:
             k = prop / v
             ds.append((v / rows, k, alpha_from_rate(acc / prop, k)))
-    return Spec(tuple(ds), r.get("spec_on_frac", 1.0 if ds else 0.0))
+    v, steps = r.get("drafter/head/verify_steps") or 0, max(r.get("target_forwards") or 1, 1)
+    use = (min(1.0, v / steps), r["drafter/head/proposed"] / v, v / min(v, steps)) if v else (0.0, 0.0, 0.0)
+    return Spec(tuple(ds), r.get("spec_on_frac", 1.0 if ds else 0.0), head_use=use)
 
 
 RANK_KEYS = ("rank_seq_forwards", "rank_verify_steps", "rank_proposed_tokens", "rank_accepted_tokens")
@@ -353,11 +380,11 @@ def drain(hw: Hardware, m: ModelShape, lay: Layout, groups: list, spec: Spec,
             if rates:                          # each row at its own measured rate
                 qs, taus, v = [q for _, q in rate], [tau for tau, _ in rate], spec.on
                 dt = (step_time(hw, m, tp, B, sum(qs), sum(ctx), sum(q * (c + q / 2) for q, c in zip(qs, ctx)), v)
-                      + hw.draft_seq_s * B * v)
+                      + spec.drafting_time(hw, B, sum(ctx) / B, 1.0, v))
             else:
                 C = sum(ctx) / B
                 cost = lambda q, v: (step_time(hw, m, tp, B, B * q, B * C, B * q * (C + q / 2), v)
-                                     + (spec.draft_time(hw, B, C, q - 1) if spec.head else hw.draft_seq_s * B * v))
+                                     + spec.drafting_time(hw, B, C, q, v))
                 q, tau, v = spec.choose(cost)
                 dt, taus = cost(q, v), [tau] * B
             rem, ctx = [x - u for x, u in zip(rem, taus)], [c + u for c, u in zip(ctx, taus)]
@@ -451,6 +478,8 @@ def rollout(hw, m, lay, st, ranks: int, spec: Spec) -> dict:
     where = rank_of(st, ranks)
     replay = where is st["ranks"] and spec is st["spec"]
     per_rank, rates = (st.get("rank_specs"), st.get("rates")) if replay else (None, None)
+    if per_rank and spec.head:       # per-rank counters merge the drafters: the head's use is the step's
+        per_rank = [replace(s, head=spec.head, head_use=spec.head_use) for s in per_rank]
     runs = [drain(hw, m, lay, [g for g, r in zip(st["groups"], where) if r == k],
                   per_rank[k] if per_rank and k < len(per_rank) else spec,
                   [x for x, r in zip(rates, where) if r == k] if rates else None) for k in range(ranks)]
@@ -469,10 +498,11 @@ def simulate(trace: list[dict], hw: Hardware, m: ModelShape, lay: Layout, spec_m
         ro = rollout(hw, m, lay, st, dp, spec(st))
         share = [[(p, L) for (p, ls), r in zip(st["groups"], rank_of(st, dp)) if r == k for L in ls] for k in range(dp)]
         T, S = train_time(hw, m, share, ref_model) / lay.tp, weight_sync_time(hw, m, colocated=True)
+        H = head_train_time(hw, st["spec"].head, st) if spec_mode == "spec" and st["spec"].head else 0.0
         sync.append(dict(step=st["step"], time_rollout=ro["time"], time_train=T, time_weight_sync=S,
-                         time_step=ro["time"] + T + S, rank_busy_time=ro["busy"], rank_bubble_time=ro["bubble"],
-                         engine_steps=ro["steps"]))
-    keys = ("time_rollout", "time_train", "time_weight_sync", "time_step")
+                         time_head=H, time_step=ro["time"] + T + S + H, rank_busy_time=ro["busy"],
+                         rank_bubble_time=ro["bubble"], engine_steps=ro["steps"]))
+    keys = ("time_rollout", "time_train", "time_weight_sync", "time_head", "time_step")
     out = dict(sync=sync, sync_mean={k: _mean([s[k] for s in sync]) for k in keys})
     if dp > 1:
         out["async"] = min((async_pipeline(trace, hw, m, lay, g, spec, seqs, ref_model)
@@ -481,7 +511,8 @@ def simulate(trace: list[dict], hw: Hardware, m: ModelShape, lay: Layout, spec_m
     # each device time-shares rollout t+1 with training t, so per step it does busy_r(t+1) + train(t);
     # the pipeline removes the bubble (idle waiting), never work: max_r(busy_r(t+1) + T(t)) + S
     nxt = sync[1:] or sync
-    shared = [max(b + s["time_train"] for b in n["rank_busy_time"]) + s["time_weight_sync"] for s, n in zip(sync, nxt)]
+    shared = [max(b + s["time_train"] for b in n["rank_busy_time"]) + s["time_weight_sync"] + s["time_head"]
+              for s, n in zip(sync, nxt)]
     out["async_shared"] = dict(out["sync_mean"], time_step=_mean(shared), gen_ranks=dp, train_ranks=dp)
     return out
 
@@ -530,7 +561,7 @@ def calibrated(cfg: dict, threads: int = 1, where: str = "config.json", ranks: i
                    platform.processor()) if info.is_file() else platform.processor()
     if device != "cpu":
         machine = torch.cuda.get_device_name(0)
-    key = json.dumps([cfg, threads, ranks, machine, os.cpu_count(), torch.__version__, 7]
+    key = json.dumps([cfg, threads, ranks, machine, os.cpu_count(), torch.__version__, 8]
                      + [device] * (device != "cpu"), sort_keys=True, default=str)
     path = cache_dir() / "profiles" / f"sim_{device}_{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
     if path.is_file():
@@ -573,7 +604,8 @@ def calibrate(cfg: dict, threads: int, where: str, sync=lambda: None, light: boo
     process, `threads` torch threads; ~1 min, then cached by `calibrated`); device="cuda": to its GPU
     (the engine in bf16 with CUDA graphs, the trainer in fp32 there, every timing after a synchronize):
       1. LLM.time_forward over a (B, C, Q) grid -> flops, mem_bw and the forward's own overheads
-         (least squares on log time: every batch size counts alike);
+         (least squares on log time: every batch size counts alike); a fresh draft head's forwards ->
+         their host time beyond the roofline (head_overhead);
       2. engine steps of GRPO-like drains (the trainer's drafters and controller): greedy AR, then
          verify steps whose drafts are all accepted -> host time per step and per row beyond the
          forward; a verify step's extra and drafting per row;
@@ -620,6 +652,8 @@ def calibrate(cfg: dict, threads: int, where: str, sync=lambda: None, light: boo
     x = least_squares(lambda x: [math.log(pred(hw_of(x), B, C, Q) / t) for B, C, Q, t in fwd],
                       np.log([1e14 if gpu else 1e10, 1e12 if gpu else 1e10, 1e-3, 1e-5, 1e-4])).x
     hw = hw_of(x)
+    hw = replace(hw, draft_step_overhead_s=head_overhead(llm, m, hw, maxlen, med, 1 if light else 3))
+    done("draft head forwards timed")
 
     def drain_steps(spec: bool, seed: int) -> list:      # [(B, C, Q, seconds)] of decode steps
         """A GRPO-like drain: 8 prompts (6-48 tokens) x 8 greedy samples, each stopping at a log-uniform
@@ -702,6 +736,23 @@ def calibrate(cfg: dict, threads: int, where: str, sync=lambda: None, light: boo
                    interconnect_bw=2 * buf.numel() * 4 / med(copy_time))   # a transfer costs 2n / bw
 
 
+def head_overhead(llm, m: ModelShape, hw: Hardware, maxlen: int, med, reps: int) -> float:
+    """A draft head's host time per forward beyond its roofline: a fresh head (drafters/head.py) on the
+    engine's block tables, timed by LLM.time_forward at B in {1, 16}, C in {16, maxlen / 2}; the median
+    residual. (Its drafts do not matter here, only its time.)"""
+    import warnings
+    from nanospec.drafters.base import DraftTarget
+    from nanospec.drafters.head import head_drafter
+    target = DraftTarget(llm.model, llm.vocab_size, llm.blocks.num_blocks, llm.blocks.block_size, llm.device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")              # "freshly initialised": as intended
+        head = head_drafter(target)
+    roof = replace(hw, step_overhead_s=0.0, seq_overhead_s=0.0, verify_overhead_s=0.0)
+    rest = [med(lambda: llm.time_forward(B, C, 1, head), reps) - step_time(roof, m.draft_head(), 1, B, B, B * C, B * C)
+            for B in (1, 16) for C in (16, maxlen // 2)]
+    return max(statistics.median(rest), 0.0)
+
+
 # ---- command line -----------------------------------------------------------------------------------------------
 def _cfg(cfg: dict, *keys, default=None):
     for k in keys:
@@ -742,12 +793,24 @@ def validate(label: str, trace: list[dict], res: dict) -> list[dict]:
     """Predicted (the trace's own speculation replayed) vs measured, means over the steps. An
     off-policy run (`staleness` 1) time-shares each rank: only its step time compares."""
     out, off = [], any(st["measured"].get("staleness") for st in trace)
-    for key in ("time_step",) if off else ("time_rollout", "time_train", "time_weight_sync", "time_step"):
-        meas = _mean([st["measured"].get(key) for st in trace])
+    for key in ("time_step",) if off else ("time_rollout", "time_train", "time_weight_sync", "time_head", "time_step"):
+        meas = _mean([st["measured"].get("head/time" if key == "time_head" else key) for st in trace])
         if meas:
             pred = res["spec"]["async_shared" if off else "sync_mean"][key]
             out.append(dict(run=label, metric=key, measured=meas, predicted=pred, error_pct=100 * (pred - meas) / meas))
     return out
+
+
+def run_head(cfg: dict, m: ModelShape) -> ModelShape | None:
+    """The shape of the draft head a run's rollout.speculative names (its draft vocabulary from the
+    head's config.json where it is saved), or None."""
+    specs = _cfg(cfg, "rollout", "speculative") or []
+    head = next((d for d in (specs if isinstance(specs, list) else [specs]) if d.get("method") == "head"), None)
+    if head is None:
+        return None
+    saved = Path(head.get("model") or "", "config.json")
+    vocab = json.loads(saved.read_text()).get("draft_vocab_size") if saved.is_file() else head.get("draft_vocab")
+    return m.draft_head(vocab)
 
 
 def _acceptance(text: str) -> float | tuple:
@@ -810,10 +873,12 @@ def main(argv: list[str] | None = None) -> int:
         mcfg, where = load_model_config(spec_model)
         dtype = a.dtype or (_cfg(cfg, "rollout", "dtype") if a.run and not a.model else None)
         m = ModelShape.from_config(mcfg, where, dtype)
+        head = run_head(cfg, m) if a.run else None     # a replayed run's head: its forwards priced
         if a.drafter == "head":
             if a.acceptance is None:
                 raise ValueError("--drafter head needs --acceptance (the head's, per draft position)")
             head = m.draft_head(a.draft_vocab)
+        if head is not None:
             runs = [(label, [dict(st, spec=replace(st["spec"], head=head)) for st in tr]) for label, tr in runs]
         first = runs[0][1][0]["measured"] if runs and runs[0][1] else {}
         if a.hardware == "cuda":

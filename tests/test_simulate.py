@@ -87,6 +87,22 @@ def test_per_position_acceptance_and_a_priced_head():
     assert run(sim.replace(hw, draft_step_overhead_s=1.0), head) == pytest.approx(ar)
 
 
+def test_a_replayed_head_is_priced():
+    # 40 engine steps, the head verified on 120 rows with 4 drafts each: on every step, 3 rows a step
+    r = {"seq_forwards": 400, "target_forwards": 40, "spec_on_frac": 1.0, "drafter/head/verify_steps": 120,
+         "drafter/head/proposed": 480, "drafter/head/accepted": 200}
+    spec = sim.spec_from_metrics(r)
+    assert spec.head_use == pytest.approx((1.0, 4.0, 3.0)) and spec.head is None
+    hw, m = clock(1.0), shape()
+    free = sim.drain(hw, m, sim.Layout(), [(16, [40, 40])], spec)[0]
+    priced = sim.drain(sim.replace(hw, draft_step_overhead_s=0.25), m, sim.Layout(), [(16, [40, 40])],
+                       sim.replace(spec, head=m.draft_head()))[0]
+    assert priced > free
+    # the run's config names the head: its shape, with the draft vocabulary its config.json saved
+    cfg = {"rollout": {"speculative": [{"method": "prior"}, {"method": "head", "draft_vocab": 512}]}}
+    assert sim.run_head(cfg, m).vocab == 512 and sim.run_head({"rollout": {"speculative": None}}, m) is None
+
+
 def trace(steps=3, G=4, lens=(10, 40, 80, 20, 5, 60, 30, 90), spec=None):
     groups = [(16, list(lens[i * G:(i + 1) * G])) for i in range(len(lens) // G)]
     return [dict(step=s, groups=groups, ranks=[0, 1], spec=spec or sim.Spec(), measured={}) for s in range(steps)]
