@@ -9,7 +9,7 @@ pass is new samples, not a replay. The "policies" rows add the engine's draft co
 rule: each row's drafts where their estimated acceptance pays for the verify; engine/controller.py). The "draft model"
 row needs a draft model directory (`--draft`, default runs/draft, made by `make draft`), the
 "suffix+mlp" rows an n-gram MLP distilled from the SFT model (`--mlp`, default runs/ngram_mlp, `make mlp`), the
-"head" rows a draft head warm-started on it (`--head`, default runs/head, `make head`). Samples
+"head" rows a draft head warm-started on it (`--head`, default runs/head: `python distill_head.py`). Samples
 differ between variants (same distribution, different draws), so `speedup` compares tokens/s;
 `wall_speedup` compares the batch's wall time.
 Without the SFT model the workload falls back to G samples of one repeated prompt on a random model.
@@ -94,7 +94,7 @@ def run(args) -> list[dict]:
     ap.add_argument("--G", type=int, default=8)
     ap.add_argument("--draft", default="runs/draft", help="draft model directory for the draft-model row")
     ap.add_argument("--mlp", default="runs/ngram_mlp", help="n-gram MLP directory for the suffix+mlp rows")
-    ap.add_argument("--head", default="runs/head", help="draft head directory for the head rows (`make head`)")
+    ap.add_argument("--head", default="runs/head", help="draft head directory for the head rows (distill_head.py)")
     ap.add_argument("--reps", type=int, default=3, help="timed passes after the history pass")
     ap.add_argument("--device", default="cpu", help="cuda: every engine on the GPU with CUDA graphs")
     opts, _ = ap.parse_known_args(args.extra)
@@ -124,7 +124,8 @@ def run(args) -> list[dict]:
         HEAD = {"method": "head", "model": opts.head, "num_draft_tokens": 4}
         variants += [("head, k=4", HEAD, None, 1.0), ("prior+suffix+head", [PRIOR, SUFFIX, HEAD], None, 1.0)]
     else:
-        print(f"spec suite: head rows skipped: no draft head for this workload at {opts.head} (`make head`)")
+        print(f"spec suite: head rows skipped: no draft head for this workload at {opts.head} "
+              "(`python distill_head.py`)")
     if tok is not None and Path(opts.draft, "config.json").is_file():
         variants.append(("draft model", {"method": "draft_model", "model": opts.draft, "num_draft_tokens": 3}, None, 1.0))
     else:
