@@ -561,7 +561,7 @@ def calibrated(cfg: dict, threads: int = 1, where: str = "config.json", ranks: i
                    platform.processor()) if info.is_file() else platform.processor()
     if device != "cpu":
         machine = torch.cuda.get_device_name(0)
-    key = json.dumps([cfg, threads, ranks, machine, os.cpu_count(), torch.__version__, 8]
+    key = json.dumps([cfg, threads, ranks, machine, os.cpu_count(), torch.__version__, 9]
                      + [device] * (device != "cpu"), sort_keys=True, default=str)
     path = cache_dir() / "profiles" / f"sim_{device}_{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
     if path.is_file():
@@ -641,7 +641,7 @@ def calibrate(cfg: dict, threads: int, where: str, sync=lambda: None, light: boo
     med = lambda f, n=3: float(np.median([f() for _ in range(n)]))
     t_start = time.perf_counter()
     done = (lambda phase: log(f"{phase} ({time.perf_counter() - t_start:.0f} s)")) if log else (lambda phase: None)
-    grid = ([(B, C, Q) for B in (1, 4, 16) for C in (16, maxlen // 2) for Q in (1, 5)] if light else
+    grid = ([(B, C, Q) for B in (1, 4, 16) for C in (16, maxlen // 2, maxlen * 3 // 4) for Q in (1, 5)] if light else
             [(B, C, Q) for B in (1, 4, 16, 64) for C in (16, 64, maxlen // 2) for Q in (1, 3, 9)])
     llm.time_forward(8, 16, 1)                                                         # warm-up
     sync()                                     # every calibrating process starts each phase together
@@ -657,16 +657,16 @@ def calibrate(cfg: dict, threads: int, where: str, sync=lambda: None, light: boo
 
     def drain_steps(spec: bool, seed: int) -> list:      # [(B, C, Q, seconds)] of decode steps
         """A GRPO-like drain: 8 prompts (6-48 tokens) x 8 greedy samples, each stopping at a log-uniform
-        4-128 tokens (light: 4 x 8, 4-32 tokens), so B shrinks and C grows as in a rollout: every step
-        meets a new shape (oneDNN builds kernels per shape: ~1.5 ms a step here, which repeated-shape
-        timings would miss)."""
+        4-128 tokens (light: 2 x 8 of 32-96-token prompts, a CPU rank's batch of a real model's GRPO),
+        so B shrinks and C grows as in a rollout: every step meets a new shape (oneDNN builds kernels
+        per shape: ~1.5 ms a step here, which repeated-shape timings would miss)."""
         llm.speculate = spec
         g = torch.Generator().manual_seed(seed)
         rnd = lambda lo, hi: int(torch.randint(lo, hi, (1,), generator=g))
-        for i in range(4 if light else 8):
-            ids = torch.randint(3, args.vocab_size, (rnd(6, 48),), generator=g).tolist()
+        for i in range(2 if light else 8):
+            ids = torch.randint(3, args.vocab_size, (rnd(32, 96) if light else rnd(6, 48),), generator=g).tolist()
             for j in range(8):
-                T = int(4 * (8 if light else 32) ** float(torch.rand(1, generator=g)))
+                T = int(4 * 32 ** float(torch.rand(1, generator=g)))
                 llm.add_request(ids, SamplingParams(temperature=0.0, max_tokens=T), 8 * i + j, ("cal", seed, i, j))
         out = []
         while llm.scheduler.has_work():
@@ -697,11 +697,11 @@ def calibrate(cfg: dict, threads: int, where: str, sync=lambda: None, light: boo
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-6)
 
     def train_step(n: int, seed: int) -> tuple[list, float]:
-        """n samples of 8 per prompt (prompts 6-48 tokens, responses log-uniform 2-128, light: 2-32)."""
+        """n samples of 8 per prompt (prompts 6-48 tokens, light: 32-96; responses log-uniform 2-128)."""
         g = torch.Generator().manual_seed(seed)
         rnd = lambda lo, hi: int(torch.randint(lo, hi, (1,), generator=g))
-        plen = [rnd(6, 48) for _ in range(n // 8)]
-        lens = [(plen[i // 8], int(2 * (16 if light else 64) ** float(torch.rand(1, generator=g))))
+        plen = [rnd(32, 96) if light else rnd(6, 48) for _ in range(n // 8)]
+        lens = [(plen[i // 8], int(2 * 64 ** float(torch.rand(1, generator=g))))
                 for i in range(n)]
         samples = [Sample(None, i, [5] * p, [7] * L, [0.0] * L, [False] * L, "length") for i, (p, L) in enumerate(lens)]
         wait()
