@@ -46,10 +46,11 @@ def main(argv=None) -> None:
     ap.add_argument("--model", default="runs/sft")
     ap.add_argument("--out", default="runs/ngram_mlp")
     ap.add_argument("--prompts", type=int, default=128, help="train prompts, 8 samples each")
+    ap.add_argument("--steps", type=int, default=3000, help="optimizer steps of 512 positions")
     args = ap.parse_args(argv)
     llm = LLM(args.model, max_num_seqs=64)
     prompts = [format_prompt(llm.tokenizer, p.prompt) for p in SyntheticTask(seed=0).train(args.prompts)]
-    distill(llm, prompts).save(args.out)
+    distill(llm, prompts, steps=args.steps).save(args.out)
     print(f"[suffix_mlp] wrote {args.out}")
 
 

@@ -39,3 +39,20 @@ def make_hf_model(path, arch="llama", vocab_size=64, hidden_size=64, layers=2, h
 def tiny_models(tmp_path_factory):
     """{arch: (dir, hf_model)} for the three supported families."""
     return {a: make_hf_model(tmp_path_factory.mktemp(a), a, seed=i) for i, a in enumerate(ARCHS)}
+
+
+@pytest.fixture(scope="session")
+def soak_shared(tmp_path_factory):
+    """The embedded default's short SFT model (2 gloo ranks, `soak.RUN`) and a fixed cost model, made once
+    for every end-to-end torchrun test (test_faults, test_sharding): each run names this `--sft.out_dir`
+    and reuses it by fingerprint, so the session pays for one SFT, not one per test."""
+    import subprocess
+    from nanospec.soak import RUN, write_profile
+    shared = tmp_path_factory.mktemp("soak")
+    write_profile(shared / "profile.json")
+    cmd = [str(ROOT / ".venv" / "bin" / "torchrun"), "--standalone", "--nproc_per_node=2", "train.py", *RUN,
+           "--sft-only", f"--run.out_dir={shared / 'sft_run'}", f"--sft.out_dir={shared / 'sft'}"]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return shared

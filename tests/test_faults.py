@@ -19,12 +19,13 @@ import pytest
 from conftest import ROOT
 from nanospec.config import read_jsonl
 from nanospec.rl.checkpoint import list_checkpoints, resume_point, verify_checkpoint
-from nanospec.soak import RUN, untimed, write_profile    # the soak script's short default run
+from nanospec.soak import RUN, untimed    # the soak script's short default run
 
 TORCHRUN = [str(ROOT / ".venv" / "bin" / "torchrun"), "--standalone", "--nproc_per_node=2"]
 
 
 def train(shared, out, *args, fault=None, ok=True, sharding="none", extra=()):
+    """One torchrun launch of the short run into `out`, on the SFT model and cost model in `shared`."""
     cmd = TORCHRUN + ["train.py", *RUN, f"--run.out_dir={out}", f"--sft.out_dir={shared / 'sft'}",
                       f"--speculation.latency_profile={shared / 'profile.json'}", f"--run.sharding={sharding}",
                       *extra, *args]
@@ -58,14 +59,15 @@ HEAD = ('--rollout.speculative=[{method: prior, num_draft_tokens: 8}, {method: s
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sharding", ["none", "fsdp"])
-def test_kill_a_rank_anywhere_and_resume_exactly(tmp_path, sharding):
+def test_kill_a_rank_anywhere_and_resume_exactly(soak_shared, tmp_path, sharding):
     """Replicated with prior+suffix; FSDP with a draft head chained after them (its weights and AdamW
-    state are checkpointed beside the policy's: the resumed run's head/loss must match too)."""
-    write_profile(tmp_path / "profile.json")
-    train = functools.partial(globals()["train"], sharding=sharding)
+    state are checkpointed beside the policy's: the resumed run's head/loss must match too).
+    The repeatable mode is repeatable: the resumed run's steps 0-1 come from another process than the
+    reference's, steps 2-3 from a third, and every untimed metric must match."""
+    train = functools.partial(globals()["train"], soak_shared, sharding=sharding)
     if sharding == "fsdp":
         train = functools.partial(train, extra=[HEAD])
-    log = train(tmp_path, tmp_path / "ref")
+    log = train(tmp_path / "ref")
     ref = metrics(tmp_path / "ref")
     assert [r["step"] for r in ref] == [0, 1, 2, 3]
     spec = "prior+suffix+head" if sharding == "fsdp" else "prior+suffix"
@@ -74,9 +76,6 @@ def test_kill_a_rank_anywhere_and_resume_exactly(tmp_path, sharding):
     assert "before" in log and "after" in log and "python -m nanospec.rl.report" in log
     from transformers import AutoModelForCausalLM     # a checkpoint is an ordinary HF model directory
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "ref" / "checkpoints" / "step_000004").config.model_type == "llama"
-    again = tmp_path / "again"                     # the repeatable mode is repeatable
-    train(tmp_path, again)
-    assert [untimed(r) for r in metrics(again)] == [untimed(r) for r in ref]
     assert sum(r["accepted_tokens"] for r in ref) > 0 and sum(r["bubble_draft_accepted"] for r in ref) > 0
     # one run, killed three times; each relaunch resumes from the last complete checkpoint
     seed = random.randrange(10**6)
@@ -88,14 +87,14 @@ def test_kill_a_rank_anywhere_and_resume_exactly(tmp_path, sharding):
               f"save:4:0:{rng.randint(1, 3)}" if rng.random() < 0.5 else "save:4:1:1"]   # mid-save
     run = tmp_path / "run"
     for i, fault in enumerate(faults):
-        log = train(tmp_path, run, *(["--resume"] if i else []), fault=fault, ok=False)
+        log = train(run, *(["--resume"] if i else []), fault=fault, ok=False)
         where = f"seed {seed}, fault {fault}"
         ckpts = list_checkpoints(run)
         assert [c.name for c in ckpts] == ["step_000002"], (where, log[-2000:])
         for c in (run / "checkpoints").iterdir():        # a step_* directory is complete or absent
             if c.name.startswith("step_"):
                 verify_checkpoint(c)
-    log = train(tmp_path, run, "--resume")
+    log = train(run, "--resume")
     assert "continuing at step 2" in log
     assert [untimed(r) for r in metrics(run)] == [untimed(r) for r in ref], f"seed {seed}, faults {faults}"
     final = lambda d: d / "checkpoints" / "step_000004" / "model.safetensors"
@@ -103,20 +102,19 @@ def test_kill_a_rank_anywhere_and_resume_exactly(tmp_path, sharding):
 
 
 @pytest.mark.slow
-def test_off_policy_on_two_ranks_resumes_exactly(tmp_path):
+def test_off_policy_on_two_ranks_resumes_exactly(soak_shared, tmp_path):
     """grpo.max_staleness=1 under torchrun: the rollout thread's gathers run in their own process group
     beside the trainer's all-reduces; a rank killed inside the thread's rollout of step 3 (made while
     step 2 trains) resumes from the step-2 checkpoint, which holds that step's rollout made ahead."""
-    write_profile(tmp_path / "profile.json")
     off = "--grpo.max_staleness=1"
-    train(tmp_path, tmp_path / "ref", off)
+    train(soak_shared, tmp_path / "ref", off)
     ref = metrics(tmp_path / "ref")
     assert [r["staleness"] for r in ref] == [0, 1, 1, 1] and all(r["time_overlap"] > 0 for r in ref[:3])
     run = tmp_path / "run"
     fault = f"rollout:3:{random.randrange(2)}:{random.randint(1, min(6, engine_steps(ref[3])))}"
-    train(tmp_path, run, off, fault=fault, ok=False)
+    train(soak_shared, run, off, fault=fault, ok=False)
     assert [c.name for c in list_checkpoints(run)] == ["step_000002"]
-    train(tmp_path, run, off, "--resume")
+    train(soak_shared, run, off, "--resume")
     assert [untimed(r) for r in metrics(run)] == [untimed(r) for r in ref]
 
 

@@ -35,7 +35,7 @@ ENTRY_POINTS = {   # each resolves HUB_ID, then does the least work that uses th
     "simulate": ["-m", "nanospec.simulate", "--lengths", "gsm8k", "--acceptance", "0.4", "--model", HUB_ID,
                  "--hardware", "h100", "--steps", "1", "--prompts", "2", "--G", "2"],
     "bench": ["bench.py", "--suite", "spec", "--quick", "--model", HUB_ID, "--G", "2", "--reps", "1"],
-    "distill_mlp": ["distill_mlp.py", "--model", HUB_ID, "--prompts", "1"],
+    "distill_mlp": ["distill_mlp.py", "--model", HUB_ID, "--prompts", "1", "--steps", "10"],
 }
 
 

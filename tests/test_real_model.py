@@ -115,9 +115,15 @@ def test_model_drafters_on_real_weights_are_greedy_exact(llm, smollm2, gsm8k_pro
 
 
 def test_one_grpo_step_on_two_ranks(tmp_path, smollm2):
+    """make smollm2's configuration for one small step. The drafting rule prices steps from a fixed
+    profile (soak.write_profile) in place of a start-up profile of SmolLM2 (~30 s on a fresh cache):
+    the step's plumbing is under test here, the profile in test_flood and the benches."""
+    from nanospec.soak import write_profile
+    write_profile(tmp_path / "profile.json")
     out = tmp_path / "run"
     cmd = [str(ROOT / ".venv" / "bin" / "torchrun"), "--standalone", "--nproc_per_node=2", "train.py",
            "--config", "configs/smollm2_arith.yaml", f"--model.path={smollm2}", f"--run.out_dir={out}",
+           f"--speculation.latency_profile={tmp_path / 'profile.json'}",
            "--grpo.num_steps=1", "--grpo.prompts_per_step=2", "--grpo.num_generations=2",
            "--grpo.max_completion_length=24", "--grpo.overlong_buffer=8", "--task.num_test=0",
            "--task.num_train=8"]

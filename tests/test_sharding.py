@@ -14,7 +14,7 @@ import torch
 
 from conftest import ROOT
 from nanospec.config import read_jsonl
-from nanospec.soak import RUN, untimed, write_profile
+from nanospec.soak import RUN, untimed
 
 PY = str(ROOT / ".venv" / "bin" / "python")
 ARGS = [*RUN, "--grpo.num_steps=3"]
@@ -62,10 +62,10 @@ def close(a, b, rel=1e-5, abs_=1e-5) -> bool:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """The SFT model + profile, and the replicated and FSDP runs of the same 3 steps."""
-    tmp = tmp_path_factory.mktemp("shard")
-    write_profile(tmp / "profile.json")
+def runs(soak_shared):
+    """The replicated and FSDP runs of the same 3 steps, written beside the session's SFT model and
+    profile (conftest.soak_shared)."""
+    tmp = soak_shared
     launch(tmp, tmp / "none")
     log = launch(tmp, tmp / "fsdp", "--run.sharding=fsdp")
     return tmp, log
