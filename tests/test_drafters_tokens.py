@@ -344,3 +344,21 @@ def test_constructor_validation():
         NgramDrafter(n_max=2, n_min=3)
     with pytest.raises(ValueError, match="max_per_prompt"):
         PriorRolloutDrafter(max_per_prompt=0)
+
+
+def test_a_chain_member_drafts_at_most_its_own_num_draft_tokens():
+    """[{prior, 2}, {suffix, 8}]: the engine asks the chain for up to 8, the prior member for 2 (its
+    spec's num_draft_tokens), and the controller prices and budgets each source at its own cap."""
+    from nanospec.drafters import registry
+    from nanospec.engine.controller import DraftController
+    from nanospec.engine.latency import LatencyModel
+    chain = registry.build([{"method": "prior", "num_draft_tokens": 2}, {"method": "suffix", "num_draft_tokens": 8}])
+    resp = list(range(10, 40))
+    chain.observe(mkseq([1, 2, 3], resp, key="k"))          # a prior rollout of prompt "k"
+    p = chain.propose([mkseq([1, 2, 3], resp[:5], key="k", idx=1)], [8])
+    assert p.sources == ["prior"] and p.tokens == [resp[5:7]]
+    cheap = LatencyModel([1e-3, 1e-4, 1e-7, 0.0, 0.0, 0.0])    # a verified token costs next to nothing
+    rows = [mkseq([1, 2, 3], resp[:5], idx=i) for i in range(4)]
+    free = DraftController(cheap, sources=["suffix"]).budgets(rows, 8)
+    capped = DraftController(cheap, sources=["suffix"], source_caps={"suffix": 2}).budgets(rows, 8)
+    assert max(free) > 2 and capped == [2] * 4, (free, capped)

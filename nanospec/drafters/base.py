@@ -68,6 +68,7 @@ class Drafter:
     lossy: bool = False        # True only for explicitly lossy modes (e.g. prior-rollout lenience)
     confident: bool = False    # True: propose() fills Proposal.confidence
     wants_hidden: bool = False # True: the engine calls observe_hidden after every forward (a draft head)
+    max_draft_tokens: int | None = None   # its spec's num_draft_tokens (registry.build): never asked for more
 
     @property
     def sources(self) -> tuple[str, ...]:

@@ -45,7 +45,9 @@ class ChainDrafter(Drafter):
         for d in self.drafters:
             if not todo:
                 break
-            p = d.propose([seqs[i] for i in todo], [num_tokens[i] for i in todo])
+            # each member drafts at most its own num_draft_tokens (the engine's budget is the chain's max)
+            p = d.propose([seqs[i] for i in todo], [min(num_tokens[i], d.max_draft_tokens or num_tokens[i])
+                                                    for i in todo])
             props.append(p)
             rest = []
             for r, i in enumerate(todo):

@@ -120,8 +120,8 @@ def _build_one(spec: dict, target):
     """One checked method dict -> its Drafter."""
     method = METHODS[canonical(spec["method"])]
     opts = {k: v for k, v in spec.items() if k not in ENGINE_KEYS}
-    if not method.needs_target:
-        return load(spec["method"])(**opts)
-    if target is None:
+    if method.needs_target and target is None:
         raise ValueError(f"speculative method {spec['method']!r} drafts with a model: it needs the engine's target")
-    return load(spec["method"])(target, **opts)
+    drafter = load(spec["method"])(*([target] if method.needs_target else []), **opts)
+    drafter.max_draft_tokens = spec.get("num_draft_tokens", DEFAULT_DRAFT_TOKENS)
+    return drafter

@@ -186,7 +186,8 @@ class DraftController:
     def __init__(self, latency: LatencyModel | None = None, *, min_speedup: float = 1.05,
                  classes: LengthClasses | None = None, sources: Sequence[str] = (),
                  confident_sources: Sequence[str] = (), kv_sources: Sequence[str] = (),
-                 draft_latency: LatencyModel | None = None, draft_time: float | None = None, replay: bool = False,
+                 source_caps: dict[str, int] | None = None, draft_latency: LatencyModel | None = None,
+                 draft_time: float | None = None, replay: bool = False,
                  prior: float = 0.5, probe_every: int = 8, probe_every_max: int = 32, probe_rows: int = 4,
                  probe_fraction: float = 0.05):
         check(min_speedup > 0, "min_speedup", "> 0", min_speedup)
@@ -196,6 +197,7 @@ class DraftController:
         self.latency, self.min_speedup, self.classes = latency, min_speedup, classes
         self.sources = list(sources)                  # the drafter's source names; more are learned
         self.confident, self.kv_sources = set(confident_sources), set(kv_sources)
+        self.source_caps = dict(source_caps or {})    # source -> its spec's num_draft_tokens (a chain's member)
         self.draft_latency = draft_latency            # one forward of a model drafter, if any
         self.draft_time = draft_time                  # seconds of a history drafter's propose() per row:
         self._draft_times: deque = deque(maxlen=9)    # the median of the last 9 (`observe_draft_time`)
@@ -254,28 +256,28 @@ class DraftController:
         if self.latency is None or not any(caps):
             return caps
         lags = [len(s) - getattr(s, "num_draft_computed", len(s) - 1) for s in seqs]
-        out, ones = [0] * len(seqs), [[1.0] * k for k in caps]
+        out = [0] * len(seqs)
         for n in dict.fromkeys(self.sources + list(self.acceptance.counts)) or [""]:
+            mine = [min(k, self.source_caps.get(n, k)) for k in caps]        # its own num_draft_tokens
             cost = self._draft_cost(st, n, len(seqs), sum(lags) / len(lags))
-            cond = self.acceptance.calibrated(n, [1.0] * max(caps)) if n in self.confident \
-                else self.acceptance.rates(n, max(caps))              # a confident source: a draft claiming 1
+            cond = self.acceptance.calibrated(n, [1.0] * max(mine)) if n in self.confident \
+                else self.acceptance.rates(n, max(mine))              # a confident source: a draft claiming 1
             probs = list(itertools.accumulate(cond, operator.mul))
-            ks = self._solve(st, [probs[:k] for k in caps], *cost)[0]
+            ks = self._solve(st, [probs[:k] for k in mine], *cost)[0]
             if n in self.confident:   # it rates each draft itself (clip): asked for the cap wherever it pays
-                ks = [k if kept else 0 for k, kept in zip(caps, ks)]
+                ks = [k if kept else 0 for k, kept in zip(mine, ks)]
             gap = self._gap.setdefault(n, [0, self.probe_every])
             gap[0] += 1          # steps since clip() last kept its drafts on their price (it resets it)
             if any(ks) and n not in self.confident:       # a rate source back on: its backoff restarts
                 gap[1] = self.probe_every
             if gap[0] >= gap[1]:                # off, or asked but cut every time: probed
-                probe = self._probe(st, n, seqs, caps, lags, gap, ones)
+                probe = self._probe(st, n, seqs, mine, lags, gap)
                 ks = [max(a, b) for a, b in zip(ks, probe)]
             st["ks"][n] = ks
             out = [max(a, b) for a, b in zip(out, ks)]
         return out
 
-    def _probe(self, st: dict, source: str, seqs, caps: list[int], lags: list[int], gap: list[int],
-               ones: list[list[float]]) -> list[int]:
+    def _probe(self, st: dict, source: str, seqs, caps: list[int], lags: list[int], gap: list[int]) -> list[int]:
         """An off source's probe rows (k per row), or all 0: see the module docstring."""
         kv, worth = source in self.kv_sources, st["worth"]    # the rows whose tokens are worth the most
         rows = [i for i in sorted(range(len(seqs)), key=lambda i: -worth[i])   # (those the batch waits for)
@@ -285,6 +287,7 @@ class DraftController:
         k = min(2, *(caps[i] for i in rows))
         any_k, per = self._draft_cost(st, source, len(rows))
         cost = any_k + per * k + st["v"] + st["c"] * k * len(rows)
+        ones = [[1.0] * k for k in caps]
         keep, s1 = self._solve(st, ones, *self._draft_cost(st, source, len(seqs)))      # acceptance 1
         if not any(keep) or cost > self.probe_fraction * (1 - 1 / s1) * st["left"] / st["B"] * st["t_ar"]:
             return [0] * len(seqs)
@@ -297,9 +300,11 @@ class DraftController:
         row even at acceptance 1: it would never draft, and its prefill would be pure cost."""
         if self.latency is None or not self.kv_sources:
             return True
+        source = next(iter(self.kv_sources))
+        max_k = min(max_k, self.source_caps.get(source, max_k))
         row = sequence.Sequence([0] * int(ctx_len), sequence.SamplingParams(max_tokens=max_k + 1))
         st = self._begin([row])
-        return any(self._solve(st, [[1.0] * max_k], *self._draft_cost(st, next(iter(self.kv_sources)), 1))[0])
+        return any(self._solve(st, [[1.0] * max_k], *self._draft_cost(st, source, 1))[0])
 
     def clip(self, proposal, budgets, seqs):
         """-> `proposal` with each row cut to what pays: its source's length from `budgets` (its probe
@@ -378,6 +383,8 @@ def build_controller(cfg, llm) -> DraftController | None:
             draft_latency = profiled_latency(llm, model_drafters[0], query_lens=(1, 8))   # 8: prices catch-ups
     return DraftController(latency, min_speedup=cfg.toggle_min_speedup, classes=classes,
                            sources=llm.drafter.sources if llm.drafter is not None else (),
+                           source_caps={n: d.max_draft_tokens for d in members(llm.drafter) if d.max_draft_tokens
+                                        for n in d.sources},
                            confident_sources=[n for d in members(llm.drafter) if d.confident for n in d.sources],
                            kv_sources=[n for d in model_drafters for n in d.sources],
                            draft_latency=draft_latency, draft_time=draft_time,
