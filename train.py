@@ -1,4 +1,4 @@
-"""GRPO with speculative rollouts: SFT warm-up (embedded default, reused if present), then GRPO.
+"""GRPO with speculative rollouts: parse -> SFT warm-up (embedded default, reused if present) -> build -> train.
 
     torchrun --standalone --nproc_per_node=2 train.py --config configs/default.yaml [--section.key=value ...]
     python train.py --config configs/default.yaml --grpo.num_steps=5     # one process (world 1)
@@ -71,7 +71,7 @@ def main(argv=None) -> int:
 
     import torch
     from nanospec.rl import dist
-    from nanospec.config import load_config
+    from nanospec.config import load_config, validate_world
 
     try:
         cfg = load_config(args.config, overrides)  # config errors surface before any process group
@@ -81,20 +81,22 @@ def main(argv=None) -> int:
     dist.init_distributed("nccl" if cfg.rollout.device.startswith("cuda") else "gloo")
     ok = False
     try:
+        from nanospec.rl.grpo import Trainer
+        from nanospec.rl.sft import prepare_sft_model
+        from nanospec.tasks import RewardError
+        log = print if dist.rank() == 0 else (lambda *a: None)
+        try:                             # setup reads only the user's inputs; later errors are bugs
+            validate_world(cfg, dist.world_size())      # before the warm-up spends a minute
+            # warm-up: the embedded default (no model.path) starts from its SFT model, reused if current
+            warm = prepare_sft_model(cfg, log) if args.sft_only or not cfg.model.path else None
+            trainer = None if args.sft_only else Trainer(cfg, log, model_dir=warm)    # build
+        except USER_ERRORS as e:
+            return user_error(e)
         if args.sft_only:
-            from nanospec.rl.sft import prepare_sft_model
-            out = prepare_sft_model(cfg, log=print if dist.rank() == 0 else lambda *a: None)
-            if dist.rank() == 0:
-                print(f"[sft] model in {out}")
+            log(f"[sft] model in {warm}")
         else:
-            from nanospec.rl.grpo import Trainer
-            from nanospec.tasks import RewardError
             try:
-                trainer = Trainer(cfg)
-            except USER_ERRORS as e:     # setup reads only the user's inputs; later errors are bugs
-                return user_error(e)
-            try:
-                trainer.train()
+                trainer.train()          # train
             except RewardError as e:     # ... but the user's reward functions run in every step
                 return user_error(e)
         ok = True

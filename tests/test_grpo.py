@@ -336,3 +336,12 @@ def test_token_entropy_of_uniform_and_peaked_logits():
     # temperature flattens: entropy at T=2 of random logits exceeds that at T=1
     x = torch.randn(2, 3, V, generator=torch.Generator().manual_seed(0)) * 3
     assert (token_entropy(x, 2.0) > token_entropy(x, 1.0)).all()
+
+
+def test_building_a_trainer_trains_nothing(tmp_path):
+    """The SFT warm-up is train.py's step before the Trainer (parse -> warm-up -> build -> train): without
+    model.path or a model_dir, building one is a one-line error, and no SFT model is trained."""
+    cfg = tiny_cfg(tmp_path, model__path=None, sft__out_dir=str(tmp_path / "sft"))
+    with pytest.raises(ValueError, match="model.path: empty"):
+        Trainer(cfg, log=lambda *a: None)
+    assert not (tmp_path / "sft").exists()

@@ -127,13 +127,14 @@ DUMP = textwrap.dedent("""
     from nanospec.config import load_config
     from nanospec.rl import dist
     from nanospec.rl.grpo import Trainer
+    from nanospec.rl.sft import prepare_sft_model
     argv = sys.argv[1:]
     dump = next(a.split("=", 1)[1] for a in argv if a.startswith("--dump="))
     argv = [a for a in argv if not a.startswith("--dump=")]
     i = argv.index("--config")
     cfg = load_config(argv[i + 1], argv[:i] + argv[i + 2:] + ["--run.resume=true"])
     dist.init_distributed("gloo")
-    tr = Trainer(cfg)
+    tr = Trainer(cfg, model_dir=prepare_sft_model(cfg))
     m, o = get_state_dict(tr.policy, tr.opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if dist.rank() == 0:
         torch.save({"model": m, "optimizer": o["state"], "step": tr.step}, dump)

@@ -65,7 +65,6 @@ from nanospec.rl.rollout import RolloutWorker, Sample
 from nanospec.rl.sharding import (clip_grad_norm_, full_weights, load_training_state, shard_policy, state_bytes,
                                   training_state)
 from nanospec.engine.sequence import SamplingParams
-from nanospec.rl.sft import prepare_sft_model
 from nanospec.rl.live import log_scalars, tensorboard_writer
 from nanospec.tasks import RewardError, longest_prompt, score, task_from_config
 
@@ -235,14 +234,16 @@ def _finite(v):
 
 
 class Trainer:
-    def __init__(self, cfg, log=print):
+    def __init__(self, cfg, log=print, model_dir=None):
+        """Builds the policy, its engine and drafters, and trains nothing: the model is `model_dir` (the
+        SFT warm-up's output, train.py's step before this one) or `model.path`."""
         self.cfg, g = cfg, cfg.grpo
         self.rank, self.world = dist.rank(), dist.world_size()
         validate_world(cfg, self.world)
         self.log = log if self.rank == 0 else (lambda *a, **k: None)
         self.run_dir = Path(cfg.run.out_dir)
         self.task = task_from_config(cfg.task)
-        self.init_path = self._model_dir() if cfg.model.path else prepare_sft_model(cfg, self.log)
+        self.init_path = Path(model_dir) if model_dir is not None else self._model_dir()
         from transformers import AutoTokenizer
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.init_path))
         dev = cfg.rollout.device
@@ -307,6 +308,9 @@ class Trainer:
     def _model_dir(self) -> Path:
         """model.path as a directory; one writer per node (local rank 0) converts a .gguf first (hub.py's
         temp dir + rename: two nodes on one filesystem do not collide), every rank raises its error."""
+        if not self.cfg.model.path:
+            raise ValueError("model.path: empty, and no model_dir given; the embedded default's model is the SFT "
+                             "warm-up's (rl/sft.prepare_sft_model, train.py's step before the Trainer)")
         err = None
         if dist.local_rank() == 0:
             try:
