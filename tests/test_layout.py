@@ -107,3 +107,28 @@ def test_registry_options_are_the_builders_keywords():
         builder = registry.load(name)        # a Drafter class, or a function annotated to return one
         built = builder if isinstance(builder, type) else typing.get_type_hints(builder)["return"]
         assert method.own_kv == built.needs_kv, name           # the engine sizes its KV pool by it
+
+
+def test_the_readmes_token_path_names_what_exists():
+    """Every `dir/module.Name.attr` (or `dir/file.py`) the README's "One token, from prompt to loss"
+    section cites resolves in the package, so a reader following it never looks for a function that
+    is not there (it once started at `Trainer.step()`, an int)."""
+    import importlib
+    import re
+    readme = (PKG.parent / "README.md").read_text()
+    section = readme.split("## One token, from prompt to loss", 1)[1].split("\n## ", 1)[0]
+    cited = sorted(set(re.findall(r"\b[a-z_]+/[a-z_]+(?:\.[A-Za-z_]+)+", section)))
+    assert len(cited) > 15, cited
+    missing = []
+    for name in cited:
+        path, _, rest = name.partition(".")
+        if rest == "py":
+            if not (PKG / f"{path}.py").is_file():
+                missing.append(name)
+            continue
+        obj = importlib.import_module("nanospec." + path.replace("/", "."))
+        for attr in rest.split("."):
+            obj = getattr(obj, attr, None)
+        if obj is None:
+            missing.append(name)
+    assert not missing, missing
