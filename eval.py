@@ -70,16 +70,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--threads", type=int, default=1, help="torch threads (tiny models: 1 is fastest)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="also write the JSON here")
-    a, overrides = ap.parse_known_args(argv)    # + --section.key=value on the config, as train.py takes them
-    if any(not o.startswith("--") or "." not in o.split("=")[0] for o in overrides):
-        ap.error(f"unrecognized arguments: {' '.join(overrides)} (config overrides are --section.key=value)")
+    from nanospec.config import load_config, parse_with_overrides    # no torch yet
+    a, overrides = parse_with_overrides(ap, argv)    # + --section.key=value on the config, as train.py
     if a.n < 1 or a.k < 0:
         ap.error(f"--n must be >= 1 and --k >= 0, got n={a.n}, k={a.k}")
 
     import torch
     from transformers import AutoTokenizer
     from nanospec import LLM, SamplingParams
-    from nanospec.config import load_config
     from nanospec.tasks import format_prompt, get_task, gsm8k_task, score, task_from_config
 
     torch.set_num_threads(a.threads)

@@ -62,16 +62,13 @@ def main(argv=None) -> int:
     ap.add_argument("--config", default="configs/default.yaml", help="YAML config (may set `base:`)")
     ap.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint")
     ap.add_argument("--sft-only", action="store_true", help="stop after the SFT warm-up (writes sft.out_dir)")
-    args, overrides = ap.parse_known_args(argv)
-    bad = [o for o in overrides if not (o.startswith("--") and "." in o.split("=")[0] and "=" in o)]
-    if bad:
-        ap.error(f"unrecognized arguments {bad}: overrides look like --section.key=value")
+    from nanospec.config import load_config, parse_with_overrides, validate_world    # no torch yet
+    args, overrides = parse_with_overrides(ap, argv)
     if args.resume:
         overrides.append("--run.resume=true")
 
     import torch
     from nanospec.rl import dist
-    from nanospec.config import load_config, validate_world
 
     try:
         cfg = load_config(args.config, overrides)  # config errors surface before any process group

@@ -431,6 +431,16 @@ def _cross_rules(cfg: Config):
              f"only covers the synthetic task")]
 
 
+def parse_with_overrides(ap, argv=None):
+    """-> (ap's own arguments, the rest as `--section.key=value` config overrides): what every entry
+    point takes. Anything else is argparse's one-line error, exit 2."""
+    args, overrides = ap.parse_known_args(argv)
+    bad = [o for o in overrides if not (o.startswith("--") and "." in o.split("=")[0] and "=" in o)]
+    if bad:
+        ap.error(f"unrecognized arguments {' '.join(bad)}: config overrides look like --section.key=value")
+    return args, overrides
+
+
 def load_config(path, overrides=()) -> Config:
     """Config from a YAML file (with `base` inheritance) + `--section.key=value` overrides."""
     raw, origin = {}, {}

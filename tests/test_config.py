@@ -180,3 +180,18 @@ def test_removed_speculation_keys_warn_and_are_ignored():
     for key in ("adaptive_draft_length: false", "ladder_up: 0.9", "ladder_down: 0.5"):
         with pytest.warns(UserWarning, match=key.split(":")[0]):
             config_from_dict({"speculation": yaml.safe_load(key)})
+
+
+def test_every_entry_point_splits_overrides_alike(capsys):
+    """train.py and eval.py share parse_with_overrides: --section.key=value passes through, anything else
+    is argparse's one-line error, exit 2."""
+    import argparse
+    from nanospec.config import parse_with_overrides
+    ap = argparse.ArgumentParser(prog="x")
+    ap.add_argument("--config")
+    args, over = parse_with_overrides(ap, ["--config", "c.yaml", "--grpo.num_steps=3"])
+    assert args.config == "c.yaml" and over == ["--grpo.num_steps=3"]
+    for bad in (["--grpo.num_steps", "3"], ["--bogus=1"], ["stray"]):
+        with pytest.raises(SystemExit) as e:
+            parse_with_overrides(ap, bad)
+        assert e.value.code == 2 and "config overrides look like --section.key=value" in capsys.readouterr().err
