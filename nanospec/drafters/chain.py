@@ -42,6 +42,7 @@ class ChainDrafter(Drafter):
         tokens: list[list[int]] = [[] for _ in range(B)]
         sources, owner, props = [""] * B, [None] * B, []   # owner[i] = (member proposal, its row)
         todo = [i for i in range(B) if num_tokens[i] > 0]
+        everyone = None                          # a proposal made for all B rows, in their order
         for d in self.drafters:
             if not todo:
                 break
@@ -49,6 +50,7 @@ class ChainDrafter(Drafter):
             p = d.propose([seqs[i] for i in todo], [min(num_tokens[i], d.max_draft_tokens or num_tokens[i])
                                                     for i in todo])
             props.append(p)
+            everyone = p if len(todo) == B else everyone     # the last member asked about every row
             rest = []
             for r, i in enumerate(todo):
                 if len(p.tokens[r]) > num_tokens[i]:
@@ -62,7 +64,10 @@ class ChainDrafter(Drafter):
         k_max = max((len(t) for t in tokens), default=0)
         q = lenient_q = None
         q_ref = next((p.q for p in props if p.q is not None), None)
-        if q_ref is not None:
+        if q_ref is not None and everyone is not None and everyone.q is not None and \
+                all(o is None or o[0] is everyone for o in owner):
+            q = everyone.q[:, :k_max]     # it drafted every row that has drafts: its q as is, no [B, k, V] copy
+        elif q_ref is not None:
             q = q_ref.new_zeros(B, k_max, q_ref.shape[-1])                 # [B, k_max, V]
             for i, o in enumerate(owner):
                 if o is None:
