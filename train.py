@@ -1,4 +1,4 @@
-"""GRPO with speculative rollouts: parse -> SFT warm-up (embedded default, reused if present) -> build -> train.
+"""GRPO with speculative rollouts: parse -> SFT warm-up (embedded default) -> build -> train.
 
     torchrun --standalone --nproc_per_node=2 train.py --config configs/default.yaml [--section.key=value ...]
     python train.py --config configs/default.yaml --grpo.num_steps=5     # one process (world 1)
@@ -83,7 +83,8 @@ def main(argv=None) -> int:
         from nanospec.tasks import RewardError
         log = print if dist.rank() == 0 else (lambda *a: None)
         try:                             # setup reads only the user's inputs; later errors are bugs
-            validate_world(cfg, dist.world_size())      # before the warm-up spends a minute
+            if not args.sft_only:
+                validate_world(cfg, dist.world_size())  # before the warm-up spends a minute
             # warm-up: the embedded default (no model.path) starts from its SFT model, reused if current
             warm = prepare_sft_model(cfg, log) if args.sft_only or not cfg.model.path else None
             trainer = None if args.sft_only else Trainer(cfg, log, model_dir=warm)    # build
