@@ -643,6 +643,7 @@ def calibrate(cfg: dict, threads: int, where: str, sync=lambda: None, light: boo
     done = (lambda phase: log(f"{phase} ({time.perf_counter() - t_start:.0f} s)")) if log else (lambda phase: None)
     grid = ([(B, C, Q) for B in (1, 4, 16) for C in (16, maxlen // 2, maxlen * 3 // 4) for Q in (1, 5)] if light else
             [(B, C, Q) for B in (1, 4, 16, 64) for C in (16, 64, maxlen // 2) for Q in (1, 3, 9)])
+    prompt_range = (32, 96) if light else (6, 48)   # light: a CPU rank's prompts of a real model's GRPO
     llm.time_forward(8, 16, 1)                                                         # warm-up
     sync()                                     # every calibrating process starts each phase together
     fwd = [(B, C, Q, med(lambda: llm.time_forward(B, C, Q), 1 if light else 3)) for B, C, Q in grid]
@@ -664,7 +665,7 @@ def calibrate(cfg: dict, threads: int, where: str, sync=lambda: None, light: boo
         g = torch.Generator().manual_seed(seed)
         rnd = lambda lo, hi: int(torch.randint(lo, hi, (1,), generator=g))
         for i in range(2 if light else 8):
-            ids = torch.randint(3, args.vocab_size, (rnd(32, 96) if light else rnd(6, 48),), generator=g).tolist()
+            ids = torch.randint(3, args.vocab_size, (rnd(*prompt_range),), generator=g).tolist()
             for j in range(8):
                 T = int(4 * 32 ** float(torch.rand(1, generator=g)))
                 llm.add_request(ids, SamplingParams(temperature=0.0, max_tokens=T), 8 * i + j, ("cal", seed, i, j))
@@ -700,7 +701,7 @@ def calibrate(cfg: dict, threads: int, where: str, sync=lambda: None, light: boo
         """n samples of 8 per prompt (prompts 6-48 tokens, light: 32-96; responses log-uniform 2-128)."""
         g = torch.Generator().manual_seed(seed)
         rnd = lambda lo, hi: int(torch.randint(lo, hi, (1,), generator=g))
-        plen = [rnd(32, 96) if light else rnd(6, 48) for _ in range(n // 8)]
+        plen = [rnd(*prompt_range) for _ in range(n // 8)]
         lens = [(plen[i // 8], int(2 * 64 ** float(torch.rand(1, generator=g))))
                 for i in range(n)]
         samples = [Sample(None, i, [5] * p, [7] * L, [0.0] * L, [False] * L, "length") for i, (p, L) in enumerate(lens)]

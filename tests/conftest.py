@@ -11,6 +11,7 @@ sys.path.insert(0, str(ROOT))
 torch.set_num_threads(1)   # tests share 2 cores; 1 thread is faster for tiny models
 
 ARCHS = ("llama", "qwen2", "qwen3")
+TORCHRUN = [str(ROOT / ".venv" / "bin" / "torchrun"), "--standalone", "--nproc_per_node=2"]   # 2 ranks, this box
 
 
 def make_hf_model(path, arch="llama", vocab_size=64, hidden_size=64, layers=2, heads=4, kv_heads=2,
@@ -50,8 +51,8 @@ def soak_shared(tmp_path_factory):
     from nanospec.soak import RUN, write_profile
     shared = tmp_path_factory.mktemp("soak")
     write_profile(shared / "profile.json")
-    cmd = [str(ROOT / ".venv" / "bin" / "torchrun"), "--standalone", "--nproc_per_node=2", "train.py", *RUN,
-           "--sft-only", f"--run.out_dir={shared / 'sft_run'}", f"--sft.out_dir={shared / 'sft'}"]
+    cmd = [*TORCHRUN, "train.py", *RUN, "--sft-only", f"--run.out_dir={shared / 'sft_run'}",
+           f"--sft.out_dir={shared / 'sft'}"]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]

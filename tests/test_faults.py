@@ -16,12 +16,10 @@ import subprocess
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, TORCHRUN
 from nanospec.config import read_jsonl
 from nanospec.rl.checkpoint import list_checkpoints, resume_point, verify_checkpoint
 from nanospec.soak import RUN, untimed    # the soak script's short default run
-
-TORCHRUN = [str(ROOT / ".venv" / "bin" / "torchrun"), "--standalone", "--nproc_per_node=2"]
 
 
 def train(shared, out, *args, fault=None, ok=True, sharding="none", extra=()):

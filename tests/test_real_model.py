@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT
+from conftest import ROOT, TORCHRUN
 from nanospec import LLM, SamplingParams
 from nanospec.models.hub import cache_dir, convert_gguf, fetch_smollm2, resolve_model
 from nanospec.tasks import format_prompt, get_task, gsm8k_task, score
@@ -121,7 +121,7 @@ def test_one_grpo_step_on_two_ranks(tmp_path, smollm2):
     from nanospec.soak import write_profile
     write_profile(tmp_path / "profile.json")
     out = tmp_path / "run"
-    cmd = [str(ROOT / ".venv" / "bin" / "torchrun"), "--standalone", "--nproc_per_node=2", "train.py",
+    cmd = [*TORCHRUN, "train.py",
            "--config", "configs/smollm2_arith.yaml", f"--model.path={smollm2}", f"--run.out_dir={out}",
            f"--speculation.latency_profile={tmp_path / 'profile.json'}",
            "--grpo.num_steps=1", "--grpo.prompts_per_step=2", "--grpo.num_generations=2",
