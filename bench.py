@@ -50,7 +50,7 @@ def main(argv=None) -> int:
         Path(args.out, f"{suite}.json").write_text(json.dumps(result, indent=2))
         fast = [r for r in rows if "speedup" in r]
         if fast:                # (memory suites have no speedups to plot)
-            from nanospec.rl.report import plot_bench
+            from tools.report import plot_bench
             plot_bench(fast, str(Path(args.out, f"{suite}.png")), f"bench: {suite}")
         print(f"wrote {args.out}/{suite}.json" + (f" and {suite}.png" if fast else ""))
     return 0

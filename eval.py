@@ -52,7 +52,7 @@ def decode(llm, prompts, params):
     return outs, time.perf_counter() - t0
 
 
-def main(argv=None) -> dict:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True, help="HF model dir, .gguf file, hub id, or run dir (latest checkpoint)")
     ap.add_argument("--task", default=None, help="synthetic, arith, dataset (from --config or the run's) or "
@@ -70,7 +70,54 @@ def main(argv=None) -> dict:
     ap.add_argument("--threads", type=int, default=1, help="torch threads (tiny models: 1 is fastest)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="also write the JSON here")
-    from nanospec.config import load_config, parse_with_overrides    # no torch yet
+    return ap
+
+
+def load_task(a, run_cfg, overrides: list[str]):
+    """-> (config or None, task name, task); bad input raises ValueError / FileNotFoundError."""
+    from nanospec.config import load_config
+    from nanospec.tasks import get_task, gsm8k_task, task_from_config
+    if overrides and not (a.config or run_cfg):
+        raise ValueError(f"{overrides[0]}: a config override needs --config or a run dir")
+    cfg = load_config(a.config or run_cfg, overrides) if a.config or run_cfg else None
+    name = a.task or (cfg.task.name if cfg else "synthetic")
+    if name == "gsm8k":
+        data = Path(a.data) if a.data else None
+        return cfg, name, gsm8k_task(data.parent if data and data.is_file() else data)
+    if cfg and cfg.task.name == name:
+        return cfg, name, task_from_config(cfg.task)
+    if name == "dataset":
+        raise ValueError("--task dataset: pass --config (or a run dir) whose task names the dataset and rewards")
+    return cfg, name, get_task(name)
+
+
+def greedy_metrics(task, problems, outs) -> dict:
+    """pass@1, reward@1 (and per reward function), greedy response lengths."""
+    from nanospec.tasks import score
+    lens = sorted(len(o.token_ids) for o in outs)
+    rewards, correct, parts = score(task, problems, [o.text for o in outs], [o.token_ids for o in outs])
+    return {"pass@1": statistics.fmean(map(float, correct)), "reward@1": statistics.fmean(rewards),
+            **{f"reward/{k}@1": statistics.fmean(x for x in v if x is not None) for k, v in parts.items()
+               if any(x is not None for x in v)},
+            "response_len_mean": statistics.fmean(lens), "response_len_p50": lens[len(lens) // 2],
+            "response_len_max": lens[-1]}
+
+
+def sampled_metrics(sp, task, problems, prompts, a, max_tokens: int, stop: list[int]) -> dict:
+    """mean@k and reward_mean@k over k samples per prompt (the speculative engine's drafters see them)."""
+    from nanospec import SamplingParams
+    from nanospec.tasks import score
+    sampled = SamplingParams(temperature=a.temperature, max_tokens=max_tokens, stop_token_ids=stop,
+                             n=a.k, seed=a.seed)
+    souts, _ = decode(sp, prompts, sampled)
+    rewards, correct, _ = score(task, [problems[i // a.k] for i in range(len(souts))], [o.text for o in souts],
+                                [o.token_ids for o in souts])
+    return {f"mean@{a.k}": statistics.fmean(map(float, correct)), f"reward_mean@{a.k}": statistics.fmean(rewards)}
+
+
+def main(argv=None) -> dict:
+    ap = parser()
+    from nanospec.config import parse_with_overrides    # no torch yet
     a, overrides = parse_with_overrides(ap, argv)    # + --section.key=value on the config, as train.py
     if a.n < 1 or a.k < 0:
         ap.error(f"--n must be >= 1 and --k >= 0, got n={a.n}, k={a.k}")
@@ -78,24 +125,12 @@ def main(argv=None) -> dict:
     import torch
     from transformers import AutoTokenizer
     from nanospec import LLM, SamplingParams
-    from nanospec.tasks import format_prompt, get_task, gsm8k_task, score, task_from_config
+    from nanospec.tasks import format_prompt
 
     torch.set_num_threads(a.threads)
     model_dir, run_cfg = resolve(a.model)
     try:    # bad input (config, data, reward functions): one line and exit 2, as train.py
-        if overrides and not (a.config or run_cfg):
-            raise ValueError(f"{overrides[0]}: a config override needs --config or a run dir")
-        cfg = load_config(a.config or run_cfg, overrides) if a.config or run_cfg else None
-        name = a.task or (cfg.task.name if cfg else "synthetic")
-        if name == "gsm8k":
-            data = Path(a.data) if a.data else None
-            task = gsm8k_task(data.parent if data and data.is_file() else data)
-        elif cfg and cfg.task.name == name:
-            task = task_from_config(cfg.task)
-        elif name == "dataset":
-            raise ValueError("--task dataset: pass --config (or a run dir) whose task names the dataset and rewards")
-        else:
-            task = get_task(name)
+        cfg, name, task = load_task(a, run_cfg, overrides)
         problems = task.test(a.n)
     except (ValueError, FileNotFoundError) as e:
         ap.error(str(e.args[0]) if isinstance(e, FileNotFoundError) and e.args else str(e))
@@ -105,34 +140,20 @@ def main(argv=None) -> dict:
     spec = json.loads(a.speculative) if a.speculative else (cfg.rollout.speculative if cfg else None) or DEFAULT_SPEC
     stop = [] if tok.eos_token_id is None else [tok.eos_token_id]
     greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, stop_token_ids=stop)
+    warm = SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=stop)
     kw = dict(dtype=a.dtype, device=a.device, max_num_seqs=64, seed=a.seed)
 
-    warm = SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=stop)
     ar = LLM(str(model_dir), tok, **kw)
     decode(ar, prompts[:8], warm)            # first calls pay one-off costs (allocator, kernel setup)
     outs, t_ar = decode(ar, prompts, greedy)
-    lens = sorted(len(o.token_ids) for o in outs)
-    rewards, correct, parts = score(task, problems, [o.text for o in outs], [o.token_ids for o in outs])
-    res = {"model": str(model_dir), "task": name, "n": len(problems),
-           "pass@1": statistics.fmean(map(float, correct)), "reward@1": statistics.fmean(rewards),
-           **{f"reward/{k}@1": statistics.fmean(x for x in v if x is not None) for k, v in parts.items()
-              if any(x is not None for x in v)},
-           "response_len_mean": statistics.fmean(lens), "response_len_p50": lens[len(lens) // 2],
-           "response_len_max": lens[-1]}
+    res = {"model": str(model_dir), "task": name, "n": len(problems), **greedy_metrics(task, problems, outs)}
     sp = LLM(str(model_dir), tok, speculative=spec, **kw)
     decode(sp, prompts[:8], warm)
     if a.k:
-        sampled = SamplingParams(temperature=a.temperature, max_tokens=max_tokens, stop_token_ids=stop,
-                                 n=a.k, seed=a.seed)
-        souts, _ = decode(sp, prompts, sampled)
-        rewards, correct, _ = score(task, [problems[i // a.k] for i in range(len(souts))], [o.text for o in souts],
-                                    [o.token_ids for o in souts])
-        res[f"mean@{a.k}"] = statistics.fmean(map(float, correct))
-        res[f"reward_mean@{a.k}"] = statistics.fmean(rewards)
+        res.update(sampled_metrics(sp, task, problems, prompts, a, max_tokens, stop))
     sp.reset_stats()
     souts, t_sp = decode(sp, prompts, greedy)
-    s = sp.summary()
-    n_tok = sum(lens)
+    s, n_tok = sp.summary(), sum(len(o.token_ids) for o in outs)
     res.update({"speculative": spec, "ar_seconds": t_ar, "spec_seconds": t_sp, "speedup": t_ar / t_sp,
                 "ar_tokens_per_s": n_tok / t_ar, "spec_tokens_per_s": n_tok / t_sp,
                 "target_forwards_per_token": s["target_forwards_per_token"],

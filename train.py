@@ -7,7 +7,7 @@
 
 One process per rank: gloo on CPU, nccl on GPU; each rank uses run.num_threads torch threads
 (default 1: two ranks on two cores must not oversubscribe them). Rank 0 prints the summary and
-writes RUN_DIR/metrics.jsonl (`python -m nanospec.rl.report RUN_DIR` plots it) and the checkpoints.
+writes RUN_DIR/metrics.jsonl (`python -m tools.report RUN_DIR` plots it) and the checkpoints.
 
 Errors in what the user gave (config, overrides, model directory, data files, reward functions,
 checkpoints) are found while setting up, before any step runs: they print one line, `train.py: error:

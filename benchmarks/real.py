@@ -165,13 +165,18 @@ def rollouts(model_dir, model, tok, opts, workdir) -> list[dict]:
             acc[name, p] = (seconds[name], sum(len(o.token_ids) for o in outs), llm.summary())
             rewards = score(task, [problems[i // opts.G] for i in range(len(outs))], [o.text for o in outs])[0]
             drawn[name, p] = [(len(o.token_ids), r) for o, r in zip(outs, rewards)]
+    return history_rows(engines, acc, drawn, timed, opts.reps)
+
+
+def history_rows(engines: dict, acc: dict, drawn: dict, timed: list[int], reps: int) -> list[dict]:
+    """A row per (history h, variant) from the passes h .. h + reps - 1 that `rollouts` timed and sampled."""
     rows = []
     rate = lambda name, p: acc[name, p][1] / acc[name, p][0]       # tokens / s of one pass
     for h in timed:         # passes h .. h + reps - 1: every column covers them all
-        passes = range(h, h + opts.reps)
+        passes = range(h, h + reps)
         for name, llm in engines.items():
             seconds, tokens = (sum(acc[name, p][i] for p in passes) for i in (0, 1))
-            total = lambda key: sum(acc[name, p][2][key] for p in passes)           # engine counters
+            total = lambda key: sum(acc[name, p][2].get(key, 0) for p in passes)    # engine counters (absent: 0)
             # median of per-pass ratios: both sides of a ratio ran minutes apart at most, so the box's
             # drift between passes cancels (a ratio of sums would carry it); their sd: one pass's noise
             ratios = [rate(name, p) / rate("AR", p) for p in passes]

@@ -16,7 +16,7 @@ Samples differ between variants (same distribution, different draws): `speedup` 
 rollout time per step (slowest rank), so length noise between variants shows up in it.
 `--baseline-controller FILE` (e.g. `git show REV:nanospec/engine/controller.py > /tmp/ctl.py`) adds the
 rule's row again with that file's controller, interleaved with this tree's in the same run: separate
-runs of one tree differ by up to ~10% on a shared box, the same run by ~1.5% (docs/results.md). The
+runs of one tree differ by up to ~10% on a shared box, the same run by ~1.5% (docs/notebook.md). The
 variants' order alternates step by step (ABC CBA): in one fixed order the last ran ~2% faster.
 """
 import argparse

@@ -86,8 +86,7 @@ def workload(model_dir, num_prompts: int):
     return [format_prompt(tok, p.prompt) for p in problems], tok
 
 
-def run(args) -> list[dict]:
-    from nanospec.config import SpeculationConfig
+def parse_opts(args):
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="runs/sft")
     ap.add_argument("--prompts", type=int, default=8)
@@ -97,9 +96,12 @@ def run(args) -> list[dict]:
     ap.add_argument("--head", default="runs/head", help="draft head directory for the head rows (distill_head.py)")
     ap.add_argument("--reps", type=int, default=3, help="timed passes after the history pass")
     ap.add_argument("--device", default="cpu", help="cuda: every engine on the GPU with CUDA graphs")
-    opts, _ = ap.parse_known_args(args.extra)
-    variants = [(*v, 1.0) for v in VARIANTS]
-    num_prompts = 4 if args.quick else opts.prompts
+    return ap.parse_known_args(args.extra)[0]
+
+
+def model_and_prompts(opts, num_prompts: int):
+    """-> (model_dir, prompts, tokenizer, workload label): the SFT model on the task's test prompts, or,
+    without it, a random tiny model on one repeated prompt."""
     from nanospec.models.hub import resolve_model
     try:
         model_dir = str(resolve_model(opts.model))
@@ -108,13 +110,18 @@ def run(args) -> list[dict]:
         print(f"spec suite: no model at {opts.model} (run `make train` first); random model, repeated prompt ({e})")
     if model_dir is not None:
         prompts, tok = workload(model_dir, num_prompts)
-        label = f"synthetic task, {opts.model}"
-    else:
-        import tempfile
-        from benchmarks.engine import tiny_llama
-        model_dir, tok, label = tempfile.mkdtemp(), None, "random model, one repeated prompt"
-        tiny_llama(model_dir)
-        prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]] * num_prompts
+        return model_dir, prompts, tok, f"synthetic task, {opts.model}"
+    import tempfile
+    from benchmarks.engine import tiny_llama
+    model_dir = tempfile.mkdtemp()
+    tiny_llama(model_dir)
+    return model_dir, [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]] * num_prompts, None, "random model, one repeated prompt"
+
+
+def trained_variants(opts, tok) -> list[tuple]:
+    """The rows whose drafter was trained for this workload (n-gram MLP, draft head, draft model), where
+    one is on disk; each skipped one says so."""
+    variants = []
     if tok is not None and Path(opts.mlp, "ngram_mlp.json").is_file():   # suffix tree + distilled n-gram MLP
         SMLP = {"method": "suffix_mlp", "model": opts.mlp, "num_draft_tokens": 8}
         variants += [("suffix+mlp", SMLP, None, 1.0), ("prior+suffix+mlp", [PRIOR, SMLP], None, 1.0)]
@@ -130,7 +137,15 @@ def run(args) -> list[dict]:
         variants.append(("draft model", {"method": "draft_model", "model": opts.draft, "num_draft_tokens": 3}, None, 1.0))
     else:
         print(f"spec suite: draft model row skipped: no draft model for this workload at {opts.draft} (`make draft`)")
-    variants += [(*v, 0.0) for v in CEILING]
+    return variants
+
+
+def run(args) -> list[dict]:
+    from nanospec.config import SpeculationConfig
+    opts = parse_opts(args)
+    num_prompts = 4 if args.quick else opts.prompts
+    model_dir, prompts, tok, label = model_and_prompts(opts, num_prompts)
+    variants = [(*v, 1.0) for v in VARIANTS] + trained_variants(opts, tok) + [(*v, 0.0) for v in CEILING]
     keys = list(range(len(prompts)))
     sp = lambda seed, T: SamplingParams(temperature=T, max_tokens=112, n=opts.G, seed=seed)
     engines = {}

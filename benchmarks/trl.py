@@ -41,33 +41,23 @@ def task_reward(cfg, per_function: dict[str, float]) -> float:
 
 
 # ---- the TRL side: runs inside the TRL venv -------------------------------------------------------
-def run_trl(config: str, overrides: list[str], out: Path, threads: int) -> None:
-    """TRL's GRPOTrainer on the nanospec config's job; one json line per step in out/trl_metrics.jsonl."""
-    import torch
-    from datasets import Dataset
-    from transformers import TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
-    from trl.rewards import get_soft_overlong_punishment
-
-    from nanospec.config import load_config
-    from nanospec.models.hub import resolve_model
+def trl_dataset_rows(cfg) -> list[dict]:
+    """The prompts nanospec's run takes, in its step order (its `data_permutation`, epoch by epoch), as
+    TRL's dataset rows: TRL gets them with its shuffle off."""
     from nanospec.rl.grpo import data_permutation
     from nanospec.tasks import task_from_config
-    from nanospec.tasks.rewards import load_reward
-
-    torch.set_num_threads(threads)
-    cfg = load_config(config, overrides)
     g, task = cfg.grpo, task_from_config(cfg.task)
     pool, n = task.train(cfg.task.num_train), g.num_steps * g.prompts_per_step     # n prompts, in step order
     perms = [data_permutation(cfg.run.seed, epoch, len(pool)) for epoch in range((n - 1) // len(pool) + 1)]
     order = [pool[perms[i // len(pool)][i % len(pool)]] for i in range(n)]
-    rows = [{"prompt": p.messages or [{"role": "user", "content": p.text}], **p.meta["columns"]} for p in order]
-    funcs = [load_reward(s, "task.rewards") for s in cfg.task.rewards]
-    weights = list(cfg.task.reward_weights or [1.0] * len(funcs))
-    if g.overlong_buffer:       # nanospec's grpo.overlong_buffer is TRL's DAPO reward function
-        funcs.append(get_soft_overlong_punishment(g.max_completion_length, g.overlong_buffer))
-        weights.append(g.overlong_penalty)
-    args = GRPOConfig(
+    return [{"prompt": p.messages or [{"role": "user", "content": p.text}], **p.meta["columns"]} for p in order]
+
+
+def trl_grpo_config(cfg, out: Path, weights: list[float]):
+    """nanospec's grpo settings as TRL's GRPOConfig: the same batch, sampling, loss and optimizer, on the CPU."""
+    from trl import GRPOConfig
+    g = cfg.grpo
+    return GRPOConfig(
         output_dir=str(out / "trl"), max_steps=g.num_steps, seed=cfg.run.seed, shuffle_dataset=False,
         per_device_train_batch_size=g.prompts_per_step * g.num_generations, num_generations=g.num_generations,
         gradient_accumulation_steps=g.gradient_accumulation_steps, num_iterations=g.num_iterations,
@@ -78,6 +68,30 @@ def run_trl(config: str, overrides: list[str], out: Path, threads: int) -> None:
         loss_type=g.loss_type, scale_rewards="group" if g.scale_rewards else "none",
         mask_truncated_completions=g.mask_truncated_completions, reward_weights=weights,
         logging_steps=1, report_to="none", save_strategy="no", use_cpu=True, bf16=False)
+
+
+def run_trl(config: str, overrides: list[str], out: Path, threads: int) -> None:
+    """TRL's GRPOTrainer on the nanospec config's job; one json line per step in out/trl_metrics.jsonl."""
+    import torch
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOTrainer
+    from trl.rewards import get_soft_overlong_punishment
+
+    from nanospec.config import load_config
+    from nanospec.models.hub import resolve_model
+    from nanospec.tasks.rewards import load_reward
+
+    torch.set_num_threads(threads)
+    cfg = load_config(config, overrides)
+    g = cfg.grpo
+    rows = trl_dataset_rows(cfg)
+    funcs = [load_reward(s, "task.rewards") for s in cfg.task.rewards]
+    weights = list(cfg.task.reward_weights or [1.0] * len(funcs))
+    if g.overlong_buffer:       # nanospec's grpo.overlong_buffer is TRL's DAPO reward function
+        funcs.append(get_soft_overlong_punishment(g.max_completion_length, g.overlong_buffer))
+        weights.append(g.overlong_penalty)
+    args = trl_grpo_config(cfg, out, weights)
 
     class Timed(GRPOTrainer):
         rollout_s = 0.0
@@ -152,7 +166,7 @@ def run(args) -> list[dict]:
             print(f"[trl] {name} failed (exit {p.returncode}); last lines of {out / f'{name}.log'}:\n"
                   + "\n".join((p.stdout + p.stderr).splitlines()[-15:]))
             return []
-    from nanospec.rl.report import load_metrics
+    from tools.report import load_metrics
     ours, theirs = load_metrics(str(out / "nanospec" / "metrics.jsonl")), load_metrics(str(out / "trl_metrics.jsonl"))
     rows = []
     for a, b in zip(ours, theirs):

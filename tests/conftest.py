@@ -48,7 +48,7 @@ def soak_shared(tmp_path_factory):
     for every end-to-end torchrun test (test_faults, test_sharding): each run names this `--sft.out_dir`
     and reuses it by fingerprint, so the session pays for one SFT, not one per test."""
     import subprocess
-    from nanospec.soak import RUN, write_profile
+    from tools.soak import RUN, write_profile
     shared = tmp_path_factory.mktemp("soak")
     write_profile(shared / "profile.json")
     cmd = [*TORCHRUN, "train.py", *RUN, "--sft-only", f"--run.out_dir={shared / 'sft_run'}",

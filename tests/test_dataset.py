@@ -13,7 +13,7 @@ import yaml
 
 from conftest import ROOT, make_hf_model
 from nanospec.config import config_from_dict
-from nanospec.rl.report import load_metrics
+from tools.report import load_metrics
 from nanospec.tasks import DatasetTask, RewardError, build_tiny_vocab_tokenizer, score
 
 OFF = {"bubble_drafting": False, "length_aware_assignment": False, "length_classes": [], "toggle": False,

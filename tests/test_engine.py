@@ -15,6 +15,7 @@ import torch
 from conftest import ARCHS
 from nanospec.engine import sampler
 from nanospec.engine.llm import LLM
+from nanospec.models import decoder
 from nanospec.models.loader import load_model, save_model
 from nanospec.engine.runner import Runner
 from nanospec.engine.sampler import SamplingTensors
@@ -654,12 +655,15 @@ def test_abort_frees_blocks_and_leaves_others_unchanged(models, spec):
 
 
 def test_sleep_frees_the_kv_pool_and_wake_up_restores_it(models):
-    """A colocated trainer frees the pool for its backward (LLM.sleep); outputs do not change."""
+    """A colocated trainer frees the pool and the CPU linears' prepacked weights for its backward
+    (LLM.sleep); outputs do not change."""
     prompts = ragged_prompts(3, seed=5)
     llm = LLM(models["llama"], block_size=4, max_model_len=64)
     before = llm.generate(prompts, GREEDY, use_tqdm=False)
+    packed = lambda: sum("_pack" in m.__dict__ for m in llm.model.modules())
+    assert packed() > 0 or not decoder.PACK
     llm.sleep()
-    assert llm.runner.cache is None and not llm.blocks.hash_to_block
+    assert llm.runner.cache is None and not llm.blocks.hash_to_block and packed() == 0
     with pytest.raises(RuntimeError, match="asleep"):
         llm.generate(prompts, GREEDY, use_tqdm=False)
     llm.wake_up()

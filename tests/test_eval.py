@@ -112,7 +112,7 @@ def test_gsm8k_config_trains_one_step_tiny_qwen3(tmp_path):
     """configs/gsm8k_qwen3.yaml plumbing on CPU: GSM8K rows, a chat-template tokenizer, Qwen3 layout."""
     from nanospec.config import load_config
     from nanospec.rl.grpo import Trainer
-    from nanospec.rl.report import load_metrics
+    from tools.report import load_metrics
     data, tok, d = tiny_qwen3_on_gsm8k(tmp_path)
     run = tmp_path / "run"
     cfg = load_config(ROOT / "configs" / "gsm8k_qwen3.yaml", [

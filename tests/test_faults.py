@@ -19,12 +19,13 @@ import pytest
 from conftest import ROOT, TORCHRUN
 from nanospec.config import read_jsonl
 from nanospec.rl.checkpoint import list_checkpoints, resume_point, verify_checkpoint
-from nanospec.soak import RUN, untimed    # the soak script's short default run
+from tools.soak import RUN, untimed    # the soak script's short default run
 
 
 def train(shared, out, *args, fault=None, ok=True, sharding="none", extra=()):
     """One torchrun launch of the short run into `out`, on the SFT model and cost model in `shared`."""
-    cmd = TORCHRUN + ["train.py", *RUN, f"--run.out_dir={out}", f"--sft.out_dir={shared / 'sft'}",
+    launch = ["-m", "tools.faults", "train.py"] if fault else ["train.py"]    # tools/faults.py arms the kill
+    cmd = TORCHRUN + [*launch, *RUN, f"--run.out_dir={out}", f"--sft.out_dir={shared / 'sft'}",
                       f"--speculation.latency_profile={shared / 'profile.json'}", f"--run.sharding={sharding}",
                       *extra, *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "NANOSPEC_FAULT": fault or ""}
@@ -71,7 +72,7 @@ def test_kill_a_rank_anywhere_and_resume_exactly(soak_shared, tmp_path, sharding
     spec = "prior+suffix+head" if sharding == "fsdp" else "prior+suffix"
     assert all(len(r["rank_busy_time"]) == 2 and r["speculative"] == spec for r in ref)
     assert sharding != "fsdp" or all(r["head/positions"] > 0 and "head/loss" in r for r in ref)
-    assert "before" in log and "after" in log and "python -m nanospec.rl.report" in log
+    assert "before" in log and "after" in log and "python -m tools.report" in log
     from transformers import AutoModelForCausalLM     # a checkpoint is an ordinary HF model directory
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "ref" / "checkpoints" / "step_000004").config.model_type == "llama"
     assert sum(r["accepted_tokens"] for r in ref) > 0 and sum(r["bubble_draft_accepted"] for r in ref) > 0

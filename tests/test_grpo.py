@@ -15,7 +15,7 @@ from nanospec.config import config_from_dict
 from nanospec.rl.grpo import Trainer, completion_logprobs, make_microbatch
 from nanospec.models.loader import save_model
 from nanospec.models.decoder import CausalLM, ModelArgs
-from nanospec.rl.report import load_metrics
+from tools.report import load_metrics
 from nanospec.rl.rollout import Sample
 from nanospec.rl.sft import init_weights
 from nanospec.tasks import build_tokenizer, format_prompt
@@ -255,7 +255,7 @@ def test_sft_only_builds_a_draft_model_the_engine_accepts(tmp_path):
 def test_one_step_off_policy_trains_on_the_rollout_made_ahead_and_resumes_exactly(tmp_path):
     """grpo.max_staleness=1: step t trains on samples drawn by the policy before update t-1 (staleness 1
     from step 1 on), while the thread rolls out step t+1; the rollout made ahead is checkpointed."""
-    from nanospec.soak import untimed
+    from tools.soak import untimed
     spec = [{"method": "prior", "num_draft_tokens": 4}, {"method": "suffix", "num_draft_tokens": 4}]
     cfg = tiny_cfg(tmp_path, grpo__max_staleness=1, grpo__tis_cap=2.0, grpo__num_steps=4, run__save_every=2,
                    rollout__speculative=spec)

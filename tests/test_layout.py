@@ -75,6 +75,19 @@ def test_dependencies_point_one_way():
     assert not bad, bad
 
 
+def test_the_package_imports_no_tool():
+    """tools/ (report, simulate, soak) and benchmarks/ read runs or time the package: the package never
+    imports them, so a fork can drop them."""
+    bad = []
+    for path in PKG.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            bad += [f"{path.relative_to(PKG.parent)} imports {n}" for n in names
+                    if n.split(".")[0] in ("tools", "benchmarks", "bench", "train", "eval")]
+    assert not bad, bad
+
+
 def test_config_and_registry_import_without_torch():
     code = "import sys, nanospec.config, nanospec.drafters.registry; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=PKG.parent)

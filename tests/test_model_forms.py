@@ -32,7 +32,7 @@ ENTRY_POINTS = {   # each resolves HUB_ID, then does the least work that uses th
               "--grpo.num_steps=1", "--grpo.prompts_per_step=1", "--grpo.num_generations=2",
               "--grpo.max_completion_length=8", "--task.max_steps=1", "--rollout.speculative=null", "--speculation.length_classes=[]"],
     "eval": ["eval.py", "--model", HUB_ID, "--task", "synthetic", "--n", "2", "--k", "0", "--max-tokens", "4"],
-    "simulate": ["-m", "nanospec.simulate", "--lengths", "gsm8k", "--acceptance", "0.4", "--model", HUB_ID,
+    "simulate": ["-m", "tools.simulate", "--lengths", "gsm8k", "--acceptance", "0.4", "--model", HUB_ID,
                  "--hardware", "h100", "--steps", "1", "--prompts", "2", "--G", "2"],
     "bench": ["bench.py", "--suite", "spec", "--quick", "--model", HUB_ID, "--G", "2", "--reps", "1"],
     "distill_mlp": ["distill_mlp.py", "--model", HUB_ID, "--prompts", "1", "--steps", "10"],

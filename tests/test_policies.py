@@ -344,7 +344,7 @@ def test_the_rule_drafts_where_it_pays_and_nowhere_else():
 
 def test_one_stalled_propose_does_not_price_a_drafter_off_for_good():
     """A drafter priced off is not timed again, so its time per row must shrug off one stall: one
-    stalled propose() (a full GC pass: a quarter second, docs/results.md) once turned an exponential
+    stalled propose() (a full GC pass: a quarter second, docs/notebook.md) once turned an exponential
     average into ~0.01 s per row and switched a history drafter off for the rest of the run. The
     median of the last 9 calls ignores it; a drafter that really got slow is still priced off."""
     ctrl = DraftController(LatencyModel(coef=[1e-3, 0, 1e-6, 0, 0, 0]), sources=["d"])    # timed, no replay
@@ -503,7 +503,7 @@ def test_a_few_early_rejections_do_not_strand_a_range_of_confidences():
     """What the per-position scale protects: drafts claiming 0.45 meet 4 rejections first (bad luck: a
     1-in-11 draw at 0.45), then the source's drafts are right as often as they claim. Per (position,
     bin) cell, less a standard error, that bin was priced ~0.0 from then on: never kept, so never
-    measured again (docs/results.md: T=0.6 bins accepted 0.50 priced 0.06). Pooled over confidences,
+    measured again (docs/notebook.md: T=0.6 bins accepted 0.50 priced 0.06). Pooled over confidences,
     every kept draft restores it."""
     acc = Acceptance()
     for _ in range(4):

@@ -118,7 +118,7 @@ def test_one_grpo_step_on_two_ranks(tmp_path, smollm2):
     """make smollm2's configuration for one small step. The drafting rule prices steps from a fixed
     profile (soak.write_profile) in place of a start-up profile of SmolLM2 (~30 s on a fresh cache):
     the step's plumbing is under test here, the profile in test_flood and the benches."""
-    from nanospec.soak import write_profile
+    from tools.soak import write_profile
     write_profile(tmp_path / "profile.json")
     out = tmp_path / "run"
     cmd = [*TORCHRUN, "train.py",

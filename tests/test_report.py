@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from nanospec.rl import report
+from tools import report
 
 PNG = b"\x89PNG\r\n\x1a\n"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -140,7 +140,7 @@ def test_compare_and_cli_main(tmp_path, capsys):
 
 def test_cli_subprocess_error(tmp_path):
     run = _write(tmp_path / "bad", [{"step": 0}, {"step": 1}, "{oops"])
-    p = subprocess.run([sys.executable, "-m", "nanospec.rl.report", run], cwd=ROOT, capture_output=True, text=True)
+    p = subprocess.run([sys.executable, "-m", "tools.report", run], cwd=ROOT, capture_output=True, text=True)
     assert p.returncode != 0 and "line 3: invalid JSON" in p.stderr
 
 

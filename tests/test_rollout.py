@@ -27,7 +27,7 @@ from nanospec.rl.scheduling import assign_to_ranks, imbalance, rank_work
 from nanospec.engine.controller import build_controller
 from nanospec.rl.rollout import RolloutWorker, assign_prompts, generate_until
 from nanospec.engine.sequence import SamplingParams
-from nanospec.soak import write_profile
+from tools.soak import write_profile
 from nanospec.tasks import Problem, SyntheticTask, build_tiny_vocab_tokenizer, build_tokenizer
 
 MAX_TOKENS, G = 24, 2

@@ -14,7 +14,7 @@ import torch
 
 from conftest import ROOT
 from nanospec.config import read_jsonl
-from nanospec.soak import RUN, untimed
+from tools.soak import RUN, untimed
 
 PY = str(ROOT / ".venv" / "bin" / "python")
 ARGS = [*RUN, "--grpo.num_steps=3"]
@@ -268,7 +268,7 @@ def test_sleep_level_2_needs_an_engine_copy():
 def test_simulator_memory_per_rank():
     """16 bytes of fp32 training state per parameter replicated, 16 / W under FSDP; an 8B model on
     8 H100s fits only sharded; sleep level 2 takes the engine copy out of the training peak."""
-    from nanospec.simulate import MODELS, ModelShape, memory_rows
+    from tools.simulate import MODELS, ModelShape, memory_rows
     m = ModelShape.from_config(MODELS["qwen3-8b"], "qwen3-8b")
     rows = {(r["sharding"], r["sleep_level"]): r for r in memory_rows(m, 8, 256 * 1024, 80e9)}
     gib = m.params / 2**30

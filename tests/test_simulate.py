@@ -1,11 +1,11 @@
-"""nanospec.simulate: roofline regimes, the drain against hand computations, speculation priced (never
+"""tools.simulate: roofline regimes, the drain against hand computations, speculation priced (never
 assumed), the async pipeline, the CLI on a tiny synthetic run, presets, and bad input."""
 import json
 import math
 
 import pytest
 
-from nanospec import simulate as sim
+from tools import simulate as sim
 
 TINY = dict(model_type="llama", num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=128, vocab_size=50, tie_word_embeddings=True, torch_dtype="float32")

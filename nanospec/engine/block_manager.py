@@ -16,7 +16,7 @@ Drafts need slots before they are verified: `ensure` grows a table ahead, `trunc
 after rejections. The block a rollback frees goes back to its sequence on its next `ensure` (if no
 one took it meanwhile). Handed to the back of the free list instead, it would go to another row and
 this row would get whichever block is oldest: within a rollout every sequence's KV would be spread
-over the whole pool, and gathering it costs every later step more (docs/results.md).
+over the whole pool, and gathering it costs every later step more (docs/notebook.md).
 """
 from __future__ import annotations
 

@@ -98,7 +98,7 @@ class Acceptance:
     Confident drafts: c * (accepted + m) / (claimed + m), the confidence c scaled by how often the
     position's drafts were right for what they claimed, pooled over all confidences (a suffix tree's
     frequencies overstate at T=1, understate at T=0.6), so every kept draft updates it. (Per confidence
-    bin, a few early rejections priced a bin below every later price, for good: docs/results.md.)
+    bin, a few early rejections priced a bin below every later price, for good: docs/notebook.md.)
     Others: r_j = (accepted_j + m * r_(j-1)) / (tested_j + m), shrunk toward the position before
     (`prior` at 0), raised by sqrt(r (1 - r) m) / (tested_j + m) (a bound shrinking as 1 / tested: one
     shrinking as 1 / sqrt(tested) compounds over 8 positions into a long draft priced 1.5x too high).

@@ -101,7 +101,7 @@ def frozen_heap():
     its heap once warmed up), until it ends. Why: a full collection walks every tracked object (the
     model's modules, the tokenizer, torch: hundreds of thousands), and the suffix trie's new nodes set
     one off every few rollouts, as a pause of a fifth of a second inside whichever engine step
-    allocated last. Frozen, it walks only what the run made since (docs/results.md). Unfrozen at the
+    allocated last. Frozen, it walks only what the run made since (docs/notebook.md). Unfrozen at the
     end, so a process that makes many runs (the tests) frees the old ones' reference cycles as before."""
     gc.collect()
     gc.freeze()
@@ -450,8 +450,9 @@ class LLM:
 
     # ---- memory between rollouts -----------------------------------------------------------------
     def sleep(self, level: int = 1) -> None:
-        """Free the KV pool while the engine is idle (vLLM's sleep mode, for the cache): a trainer on the
-        same machine gets that memory for its backward. `wake_up()` before the next request.
+        """Free the KV pool and the CPU linears' prepacked weights while the engine is idle (vLLM's sleep
+        mode, for the cache): a trainer on the same machine gets that memory for its backward, and an
+        update makes the packed copies stale anyway. `wake_up()` before the next request.
         Level 2 (vLLM's too) also frees the target model's weights, for an engine with its own copy (a
         sharded trainer then never holds the engine's weights and its gradients at once): each
         storage shrinks to 0 bytes, the tensors stay (so drafters' and modules' references hold), and
@@ -464,8 +465,8 @@ class LLM:
         self.blocks.reset_prefix_cache()     # the cached prompt KV goes with the pool
         for r in self._runners():
             r.sleep()
+        drop_packed_weights(self.model)
         if level == 2 and not self._asleep:
-            drop_packed_weights(self.model)
             for m in self.model.model.layers.modules():
                 if isinstance(m, Linear):
                     m.keep_weight = False

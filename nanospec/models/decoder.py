@@ -163,8 +163,8 @@ PACK = torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
 
 
 def drop_packed_weights(model: nn.Module) -> None:
-    """Free the prepacked copies (rebuilt on the next engine step): a trainer that updates the weights
-    the engine shares frees them before its backward, so the peak holds one copy of the weights."""
+    """Free the prepacked copies (rebuilt on the next engine step). LLM.sleep calls it: a trainer that
+    updates the weights the engine shares then holds one copy of them through its backward."""
     for m in model.modules():
         m.__dict__.pop("_pack", None)
 

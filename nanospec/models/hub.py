@@ -4,7 +4,7 @@
     python -m nanospec.models.hub convert FILE.gguf  # any Llama/Qwen2/Qwen3 GGUF -> cached HF directory
 
 Every entry point that takes a model path (`LLM`, the trainer's `model.path`, eval.py, bench.py,
-distill_mlp.py, `nanospec.simulate`) goes through `resolve_model`, so all three forms work everywhere:
+distill_mlp.py, `tools.simulate`) goes through `resolve_model`, so all three forms work everywhere:
   - a directory with config.json is used as is;
   - a `.gguf` file is dequantized once by transformers (+ the `gguf` package) into an ordinary HF
     directory (fp32 safetensors, tokenizer, chat template) under the cache; later calls reuse it;

@@ -36,7 +36,6 @@ import torch
 
 from nanospec.drafters.chain import members
 from nanospec.models.loader import save_model
-from nanospec.rl.faults import fault_point
 
 MANIFEST = "COMPLETE.json"
 _STEP = re.compile(r"^step_(\d+)$")
@@ -72,42 +71,55 @@ def save_checkpoint(run_dir, step: int, model, tokenizer, trainer_state: dict, r
     """Collective (every rank calls it): writes step `step`, keeps the newest `keep` checkpoints.
     `model`: a whole-weight CausalLM, written by rank 0 (HF layout); `sharded`: a state dict of DTensors
     every rank writes its shards of with DCP (dcp/); `extras`: {subdirectory: writer(path)} rank 0 adds
-    (the draft head's HF-style export)."""
+    (the draft head's HF-style export). Four phases; a death in any of them leaves no step_N behind."""
     root = ckpt_root(run_dir)
     tmp, final = root / f".tmp_step_{step:06d}", root / f"step_{step:06d}"
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     barrier()
+    write_rank_part(tmp, rank, rank_state, sharded)                  # 1. every rank: its own state
+    barrier()
+    if rank == 0:
+        write_shared_part(tmp, model, tokenizer, trainer_state, extras)  # 2. the weights, the optimizer
+        write_manifest(tmp, step, world_size)                         # 3. vouch for every file
+        publish(tmp, final, run_dir, keep)                            # 4. one atomic rename
+    barrier()
+    return final
+
+
+def write_rank_part(tmp: Path, rank: int, rank_state: dict, sharded: dict | None) -> None:
     torch.save(rank_state, tmp / f"rank{rank}.pt")
-    fault_point("save", step, rank)
     if sharded is not None:
         import torch.distributed.checkpoint as dcp
         dcp.save(sharded, checkpoint_id=tmp / "dcp")
-    barrier()
-    if rank == 0:
-        save_model(model, tmp, tokenizer)
-        torch.save(trainer_state, tmp / "trainer_state.pt")
-        for name, write in (extras or {}).items():
-            write(tmp / name)
-        fault_point("save", step, rank)
-        files = {}
-        for p in sorted(p for p in tmp.rglob("*") if p.is_file()):
-            with open(p, "rb") as f:
-                os.fsync(f.fileno())     # on disk before the manifest vouches for it (power loss)
-            files[p.relative_to(tmp).as_posix()] = {"size": p.stat().st_size, "sha256": _sha256(p)}
-        manifest = {"step": step, "world_size": world_size, "files": files}
-        with open(tmp / MANIFEST, "w") as f:
-            json.dump(manifest, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        fault_point("save", step, rank)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        for old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
-    barrier()
-    return final
+
+
+def write_shared_part(tmp: Path, model, tokenizer, trainer_state: dict, extras: dict | None) -> None:
+    save_model(model, tmp, tokenizer)
+    torch.save(trainer_state, tmp / "trainer_state.pt")
+    for name, write in (extras or {}).items():
+        write(tmp / name)
+
+
+def write_manifest(tmp: Path, step: int, world_size: int) -> None:
+    files = {}
+    for p in sorted(p for p in tmp.rglob("*") if p.is_file()):
+        with open(p, "rb") as f:
+            os.fsync(f.fileno())     # on disk before the manifest vouches for it (power loss)
+        files[p.relative_to(tmp).as_posix()] = {"size": p.stat().st_size, "sha256": _sha256(p)}
+    manifest = {"step": step, "world_size": world_size, "files": files}
+    with open(tmp / MANIFEST, "w") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def publish(tmp: Path, final: Path, run_dir, keep: int) -> None:
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    for old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def list_checkpoints(run_dir) -> list[Path]:

@@ -48,19 +48,16 @@ from tqdm.auto import tqdm
 from nanospec.rl import dist
 from nanospec.rl.checkpoint import (MANIFEST, engine_state, list_checkpoints, load_checkpoint, load_engine_state, load_sharded,
                                     resume_point, rng_state, save_checkpoint, set_rng_state)
-from nanospec.config import GRPOConfig, config_to_dict, save_config, validate_world
+from nanospec.config import GRPOConfig, config_to_dict, read_jsonl, save_config, validate_world
 from nanospec.rl.dist import all_reduce_grads, hash_seed
-from nanospec.rl.faults import fault_point
 from nanospec.drafters.chain import find_drafter, members
 from nanospec.drafters.head import completion_mask, head_loss
 from nanospec.engine.llm import LLM, frozen_heap
 from nanospec.engine.sampler import token_logprobs
 from nanospec.models.hub import resolve_model
 from nanospec.models.loader import load_model
-from nanospec.models.decoder import drop_packed_weights
 from nanospec.rl.loss import (group_advantages, logprob_mismatch, overlong_penalty, policy_loss, tis_weights,
                              token_entropy)
-from nanospec.rl.report import headline, load_metrics
 from nanospec.rl.rollout import RolloutWorker, Sample
 from nanospec.rl.sharding import (clip_grad_norm_, full_weights, load_training_state, shard_policy, state_bytes,
                                   training_state)
@@ -91,7 +88,7 @@ class MicroBatch:
     pos: torch.Tensor          # [B, T] position whose logits predict completion token t
     tokens: torch.Tensor       # [B, T] completion tokens
     mask: torch.Tensor         # [B, T] 1 = real token
-    rollout_lp: torch.Tensor   # [B, T] engine logprobs
+    behaviour_lp: torch.Tensor # [B, T] the engine's logprobs: mu, the behaviour policy that sampled them
     from_verify: torch.Tensor  # [B, T] bool
     adv: torch.Tensor          # [B]
 
@@ -233,6 +230,12 @@ def _finite(v):
     return None if isinstance(v, float) and not math.isfinite(v) else v
 
 
+def _mean_over_steps(recs: list[dict], key: str) -> float | None:
+    """The mean of a metric over the run's steps (metrics.jsonl writes a non-finite value as null)."""
+    xs = [r[key] for r in recs if isinstance(r.get(key), (int, float)) and not isinstance(r[key], bool)]
+    return sum(xs) / len(xs) if xs else None
+
+
 class Trainer:
     def __init__(self, cfg, log=print, model_dir=None):
         """Builds the policy, its engine and drafters, and trains nothing: the model is `model_dir` (the
@@ -278,7 +281,8 @@ class Trainer:
         self.ahead = ThreadPoolExecutor(1, "rollout") if g.max_staleness else None
         self.worker = RolloutWorker(self.llm, self.tokenizer, cfg, self.rank, self.world,
                                     dist.new_group() if g.max_staleness else None)
-        self.version, self.pending = 0, None    # engine weights' policy version; the rollout made ahead
+        self.version, self.pending, self._ahead = 0, None, None   # engine weights' policy version; the
+                                                  # rollout made ahead (off-policy), and its future
         self._build_head()
         self.opt = torch.optim.AdamW(self.policy.parameters(), lr=g.learning_rate, weight_decay=g.weight_decay)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: min(1.0, (s + 1) / (g.warmup_steps + 1)))
@@ -344,18 +348,103 @@ class Trainer:
     def text(self, s: Sample) -> str:
         return self.tokenizer.decode(s.completion_ids, skip_special_tokens=True)
 
+    def train_step(self) -> dict:
+        """One GRPO step: 1. rollout -> 2-5. learn (rewards, advantages, loss and backward, optimizer)
+        -> 6. weight sync -> 7. log. Around it: the rollout made ahead off-policy and the engine's sleep
+        (`_rollout_for`, `_join_ahead`), the draft head's own step, the cross-rank record (`_step_metrics`)."""
+        step, t0 = self.step, time.perf_counter()
+        ro = self._rollout_for(step)                        # 1. G samples per prompt, with mu's logprobs
+        t_learn = time.perf_counter()
+        rec = self.learn(ro.samples)                        # 2-5.
+        rec["state_gib"] = state_bytes(self.policy, self.opt) / 2**30     # with this step's gradients
+        self.opt.zero_grad(set_to_none=True)     # no gradient memory held through the next rollout
+        t_learned = time.perf_counter()
+        t_joined = self._join_ahead()
+        t_sync = self.sync_weights()                        # 6. the engine samples from the new policy
+        head = self.train_head() if self.head is not None else {}
+        self.version = step + 1
+        m = self._step_metrics(ro, rec, head, t_learn, t_learned, t_joined, t_sync)    # 7.
+        self.step += 1
+        m["time_step"] = time.perf_counter() - t0
+        return m
+
     def learn(self, samples: list[Sample]) -> dict:
-        """Rewards -> advantages -> mu optimizer steps on this rank's samples (collective)."""
+        """Steps 2-5 of GRPO (DeepSeekMath, Shao et al. 2024, Algorithm 1; TRL's GRPOTrainer order) on
+        this rank's samples (collective) -> this rank's record for the step's metrics."""
         g, t0 = self.cfg.grpo, time.perf_counter()
-        texts = [self.text(s) for s in samples]
-        rewards, correct, parts = self.score([s.problem for s in samples], texts, [s.completion_ids for s in samples])
-        shaped = shape_rewards(rewards, [len(s.completion_ids) for s in samples], g)        # [N]
-        adv = group_advantages(shaped, g.num_generations, g.scale_rewards)
+        # 2. rewards: the task's reward functions; DAPO's overlong penalty shapes what the advantages see
+        rewards, correct, parts = self.score([s.problem for s in samples], [self.text(s) for s in samples],
+                                             [s.completion_ids for s in samples])
+        lengths = [len(s.completion_ids) for s in samples]
+        shaped = shape_rewards(rewards, lengths, g)                                          # [N]
+        # 3. advantages: each reward against its group of G (loss.group_advantages)
+        adv = group_advantages(shaped, g.num_generations, g.scale_rewards)                   # [N]
         # truncated = stopped by max_completion_length. Their rewards and advantages stay in their
         # groups; with mask_truncated_completions (TRL's name, DAPO's overlong filtering) their tokens
         # leave the loss, so a response cut mid-thought is neither rewarded nor punished token by token
         truncated = torch.tensor([s.finish_reason == "length" for s in samples])
-        pad = self.tokenizer.pad_token_id or 0
+        mbs, loss_masks, n_seqs, n_toks, extra = self._micro_batches(samples, adv, truncated)
+        kept, losses, norms = {}, [], []    # kept: what the first pass keeps (pi_old, pi_ref, stats)
+        for _ in range(g.num_iterations):   # mu passes over the same rollout
+            self.opt.zero_grad(set_to_none=True)
+            # 4. loss and backward, micro-batch by micro-batch
+            losses.append(self._loss_and_backward(mbs, loss_masks, n_seqs, n_toks, extra, kept))
+            norms.append(self._optimizer_step())            # 5. one optimizer step
+        return dict(rewards=rewards, correct=correct, lengths=lengths, truncated=truncated.tolist(),
+                    adv_tokens=[float(a) * n for a, n in zip(adv.tolist(), lengths)],
+                    parts={k: [x for x in v if x is not None] for k, v in parts.items()},
+                    logps=self._logprob_triples(mbs, kept["old_lp"]), agg=dict(kept["agg"]),
+                    entropy_sum=kept["entropy"], loss=sum(losses) / len(losses), grad_norm=norms[-1],
+                    time=time.perf_counter() - t0)
+
+    def _loss_and_backward(self, mbs, loss_masks, n_seqs: int, n_toks: int, extra: int, kept: dict) -> float:
+        """One pass of GRPO's clipped surrogate (loss.policy_loss) over every micro-batch, gradients
+        accumulated. The first pass keeps each micro-batch's pi_old (the trainer's logprobs before this
+        step's updates), pi_ref, the hidden states for the draft head and the token entropy."""
+        g, first = self.cfg.grpo, not kept
+        if first:
+            kept.update(old_lp=[], ref_lp=[], agg=defaultdict(float), entropy=0.0)
+        loss_sum = 0.0
+        for i, mb in enumerate(mbs):
+            logp, ent, hidden = completion_logprobs(self.policy, mb, g.temperature)    # [B, T] each
+            if first:
+                kept["old_lp"].append(logp.detach())
+                self._keep_for_head(mb, hidden)
+                kept["entropy"] += float((ent * mb.mask).sum())
+                with torch.no_grad():
+                    kept["ref_lp"].append(completion_logprobs(self.ref, mb, g.temperature)[0]
+                                          if self.ref is not None else None)
+            # the ratio's pi_old: mu, the engine's logprobs; with TIS the trainer's own, and the weight
+            # w = pi_old / mu (capped) corrects for sampling from mu (loss.tis_weights)
+            w, st = None, {}
+            if g.tis_cap is not None:
+                w, st = tis_weights(kept["old_lp"][i], mb.behaviour_lp, loss_masks[i], g.tis_cap, g.tis_mode)
+            old_lp = kept["old_lp"][i] if w is not None else mb.behaviour_lp
+            loss, lst = policy_loss(logp, old_lp, mb.adv, loss_masks[i], epsilon=g.epsilon,
+                                    epsilon_high=g.epsilon_high, beta=g.beta, ref_logp=kept["ref_lp"][i],
+                                    loss_type=g.loss_type, num_seqs_global=n_seqs, num_tokens_global=n_toks,
+                                    tis_weight=w)
+            loss.backward()
+            loss_sum += loss.item()
+            nt = lst.pop("num_tokens")
+            for k, v in {**lst, **st}.items():   # token-weighted sums, made global at the end
+                kept["agg"][k] += v * nt
+            kept["agg"]["_tokens"] += nt
+        for _ in range(extra):    # zero-weighted: adds exact zeros to the gradient
+            (completion_logprobs(self.policy, mbs[0], g.temperature)[0].sum() * 0.0).backward()
+        return loss_sum
+
+    @staticmethod
+    def _logprob_triples(mbs, old_lp) -> list:
+        """Per sequence (trainer, engine, drafted-and-verified) logprobs -> the global mismatch metrics."""
+        return [(o[b, :n].tolist(), mb.behaviour_lp[b, :n].tolist(), mb.from_verify[b, :n].tolist())
+                for mb, o in zip(mbs, old_lp) for b, n in enumerate(mb.mask.sum(1).long().tolist())]
+
+    def _micro_batches(self, samples: list[Sample], adv: torch.Tensor, truncated: torch.Tensor):
+        """-> (micro-batches, their loss masks, global sequence and token counts, the zero-weighted
+        passes this rank adds: sharded, each forward/backward is a collective, so every rank runs as
+        many as the busiest one)."""
+        g, pad = self.cfg.grpo, self.tokenizer.pad_token_id or 0
         mbs, loss_masks = [], []
         for idx in micro_batches(samples, g.gradient_accumulation_steps):
             mbs.append(make_microbatch([samples[i] for i in idx], adv[idx], pad, self.device))
@@ -364,49 +453,9 @@ class Trainer:
         counts = torch.tensor([len(samples), sum(float(m.sum()) for m in loss_masks)], dtype=torch.float64)
         n_seqs, n_toks = (int(x) for x in self._all_reduce(counts).tolist())
         n_toks = max(n_toks, 1)             # every response truncated and masked: a step of zero loss
-        # sharded, each forward/backward is a collective: every rank runs as many as the busiest one
         extra = int(self._all_reduce(torch.tensor([len(mbs)]), torch.distributed.ReduceOp.MAX)) - len(mbs) \
             if self.sharded else 0
-        drop_packed_weights(self.policy)    # the engine's prepacked copies go stale with this update
-        old, ref, agg, losses, norms, entropy = [], [], defaultdict(float), [], [], 0.0
-        for it in range(g.num_iterations):
-            self.opt.zero_grad(set_to_none=True)
-            loss_sum = 0.0
-            for i, mb in enumerate(mbs):
-                logp, ent, hidden = completion_logprobs(self.policy, mb, g.temperature)    # [B, T] each
-                if it == 0:
-                    old.append(logp.detach())
-                    self._keep_for_head(mb, hidden)
-                    entropy += float((ent * mb.mask).sum())
-                    with torch.no_grad():
-                        ref.append(completion_logprobs(self.ref, mb, g.temperature)[0] if self.ref is not None else None)
-                w, st = None, {}
-                if g.tis_cap is not None:
-                    w, st = tis_weights(old[i], mb.rollout_lp, loss_masks[i], g.tis_cap, g.tis_mode)
-                loss, lst = policy_loss(logp, old[i] if w is not None else mb.rollout_lp, mb.adv, loss_masks[i],
-                                        epsilon=g.epsilon, epsilon_high=g.epsilon_high, beta=g.beta, ref_logp=ref[i],
-                                        loss_type=g.loss_type, num_seqs_global=n_seqs, num_tokens_global=n_toks,
-                                        tis_weight=w)
-                loss.backward()
-                loss_sum += loss.item()
-                nt = lst.pop("num_tokens")
-                for k, v in {**lst, **st}.items():   # token-weighted sums, made global at the end
-                    agg[k] += v * nt
-                agg["_tokens"] += nt
-            for _ in range(extra):    # zero-weighted: adds exact zeros to the gradient
-                (completion_logprobs(self.policy, mbs[0], g.temperature)[0].sum() * 0.0).backward()
-            losses.append(loss_sum)
-            norms.append(self._optimizer_step())
-        logps = []   # per sequence: (trainer, rollout, from_verify) -> global mismatch metrics
-        for mb, o in zip(mbs, old):
-            for b, n in enumerate(mb.mask.sum(1).long().tolist()):
-                logps.append((o[b, :n].tolist(), mb.rollout_lp[b, :n].tolist(), mb.from_verify[b, :n].tolist()))
-        lengths = [len(s.completion_ids) for s in samples]
-        return dict(rewards=rewards, correct=correct, logps=logps, agg=dict(agg), entropy_sum=entropy,
-                    lengths=lengths, truncated=truncated.tolist(),
-                    adv_tokens=[float(a) * n for a, n in zip(adv.tolist(), lengths)],
-                    parts={k: [x for x in v if x is not None] for k, v in parts.items()},
-                    loss=sum(losses) / len(losses), grad_norm=norms[-1], time=time.perf_counter() - t0)
+        return mbs, loss_masks, n_seqs, n_toks, extra
 
     def score(self, problems, texts, completion_ids=None):
         """tasks.score on this rank's samples; a reward error on any rank stops every rank with its
@@ -431,7 +480,6 @@ class Trainer:
         params = list(self.policy.parameters())
         if not self.sharded:       # (sharded: FSDP reduce-scattered them in backward, also a SUM)
             all_reduce_grads(params)   # SUM over ranks: each rank's loss is already scaled by the global counts
-        fault_point("optimizer", self.step, self.rank)
         norm = clip_grad_norm_(params, self.cfg.grpo.max_grad_norm or math.inf)
         self.opt.step()
         self.sched.step()
@@ -534,42 +582,38 @@ class Trainer:
         samples, m = self.worker.run(step, self.problems(step), self.problems(step + 1))
         return Rollout(samples, m, self.version, t0, time.perf_counter())
 
-    def train_step(self) -> dict:
-        """Roll out (or take the rollout made ahead during the last step), learn, sync the engine.
-        Off-policy, the next step's rollout runs in a thread while this one learns."""
-        step, t0 = self.step, time.perf_counter()
-        ro, self.pending = self.pending or self.rollout(step), None
-        ahead = None
+    def _rollout_for(self, step: int) -> Rollout:
+        """Step `step`'s rollout: the one made ahead during the last step (off-policy), or now. Off-policy
+        the next one starts in a thread at once; on-policy on CPU the engine sleeps while the policy learns."""
+        ro, self.pending, self._ahead = self.pending or self.rollout(step), None, None
         if self.ahead is not None and step + 1 < self.cfg.grpo.num_steps:
-            ahead = self.ahead.submit(self.rollout, step + 1)
+            self._ahead = self.ahead.submit(self.rollout, step + 1)
         elif self.device.type == "cpu" or self.cfg.rollout.sleep_level == 2:
             self.llm.sleep(self.cfg.rollout.sleep_level)   # one host RAM: the KV pool's memory serves the backward
-            drop_packed_weights(self.llm.model)     # stale after the sync anyway (an engine with its own copy)
-        t_learn = time.perf_counter()
-        rec = self.learn(ro.samples)
-        rec["state_gib"] = state_bytes(self.policy, self.opt) / 2**30     # with this step's gradients
-        self.opt.zero_grad(set_to_none=True)     # no gradient memory held through the next rollout
-        t_learned = time.perf_counter()
-        self.pending = ahead.result() if ahead is not None else None    # re-raises the thread's error
+        return ro
+
+    def _join_ahead(self) -> float:
+        """Waits for the rollout made ahead (re-raising its error), wakes the engine; -> when it joined."""
+        self.pending = self._ahead.result() if self._ahead is not None else None
         t_joined = time.perf_counter()
         self.llm.wake_up()     # (after level 2: weights allocated, filled by the sync)
-        t_sync = self.sync_weights()
-        head = self.train_head() if self.head is not None else {}
-        self.version = step + 1
+        return t_joined
+
+    def _step_metrics(self, ro: Rollout, rec: dict, head: dict, t_learn: float, t_learned: float,
+                      t_joined: float, t_sync: float) -> dict:
+        """The step's metrics.jsonl record: the rollout's, every rank's learn record merged, timings."""
         m, nxt = ro.metrics, self.pending
         overlap = max(0.0, min(nxt.end, t_learned) - max(nxt.start, t_learn)) if nxt is not None else 0.0
-        m.update(staleness=step - ro.version, time_overlap=overlap, time_wait_rollout=t_joined - t_learned)
+        m.update(staleness=self.step - ro.version, time_overlap=overlap, time_wait_rollout=t_joined - t_learned)
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20     # KiB on Linux -> GiB
         recs = dist.all_gather_object(dict(rec, rollout_time=ro.end - ro.start, peak_rss=rss))
-        m.update(self._merge(recs), **head, step=step, time_weight_sync=t_sync, lr=self.sched.get_last_lr()[0],
+        m.update(self._merge(recs), **head, step=self.step, time_weight_sync=t_sync, lr=self.sched.get_last_lr()[0],
                  rank_peak_rss_gib=[r["peak_rss"] for r in recs], rank_train_state_gib=[r["state_gib"] for r in recs],
                  rank_train_time=[r["time"] for r in recs], time_train=max(r["time"] for r in recs),
                  rank_rollout_time=[r["rollout_time"] for r in recs])
         self.drafter_health(m)
         spec = self.cfg.rollout.speculative
         m["speculative"] = "+".join(s["method"] for s in (spec if isinstance(spec, list) else [spec])) if spec else None
-        self.step += 1
-        m["time_step"] = time.perf_counter() - t0
         return m
 
     def _merge(self, recs: list[dict]) -> dict:
@@ -764,7 +808,9 @@ class Trainer:
 
     def summary(self, after: dict, seconds: float) -> dict:
         path = self.run_dir / "metrics.jsonl"
-        h = headline(load_metrics(str(path))) if self.rank == 0 and path.is_file() and path.stat().st_size else {}
+        recs = [r for _, r in read_jsonl(path)] if self.rank == 0 and path.is_file() else []
+        h = {name: _mean_over_steps(recs, key) for name, key in (("rollout time per step (s)", "time_rollout"),
+             ("target forwards per token", "target_forwards_per_token"), ("mean accepted length", "mean_accepted_len"))}
         out = {"eval_before": self.eval_before, "eval_after": after, "seconds": seconds, **h}
         b, a = self.eval_before or {}, after or {}
         f = lambda v: "n/a" if v is None else f"{v:.4g}"
@@ -776,5 +822,5 @@ class Trainer:
             f"maximises): before {f(b.get('eval/sampled_reward_mean'))} -> after {f(a.get('eval/sampled_reward_mean'))}",
             f"rollout time per step: {f(h.get('rollout time per step (s)'))}s   target forwards per token: "
             f"{f(h.get('target forwards per token'))}   mean accepted length: {f(h.get('mean accepted length'))}",
-            f"report: python -m nanospec.rl.report {self.run_dir}"]))
+            f"report: python -m tools.report {self.run_dir}"]))
         return out

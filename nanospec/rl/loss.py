@@ -80,18 +80,8 @@ def policy_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, ep
         dapo: sum_{i,t} l_it / num_tokens_global                  (required)
     """
     B, T = logp.shape
-    for name, t in (("old_logp", old_logp), ("mask", mask)) + \
-            ((("ref_logp", ref_logp),) if ref_logp is not None else ()) + \
-            ((("tis_weight", tis_weight),) if tis_weight is not None else ()):
-        _check(name, t, (B, T))
-    _check("adv", adv, (B,))
-    if loss_type not in LOSS_TYPES:
-        raise ValueError(f"loss_type: expected one of {LOSS_TYPES}, got {loss_type!r}")
-    eps_lo, eps_hi = epsilon, (epsilon if epsilon_high is None else epsilon_high)
-    if not (0 <= eps_lo < 1 and eps_hi >= 0):
-        raise ValueError(f"epsilon/epsilon_high: expected 0 <= epsilon < 1, epsilon_high >= 0, got {eps_lo}, {eps_hi}")
-    if beta < 0 or (beta > 0 and ref_logp is None):
-        raise ValueError(f"beta: expected >= 0 and ref_logp given when beta > 0, got beta={beta}")
+    eps_lo, eps_hi = _check_inputs(old_logp, adv, mask, ref_logp, tis_weight, (B, T), loss_type, epsilon,
+                                   epsilon_high, beta)
     m = mask.bool()
     mf = m.to(logp.dtype)
     # zero the log-ratio on padding *before* exp: padded logps may be garbage and 0*inf = nan in backward
@@ -118,18 +108,39 @@ def policy_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, ep
         if num_tokens_global is None or num_tokens_global <= 0:
             raise ValueError(f"num_tokens_global: required positive global token count for dapo, got {num_tokens_global}")
         loss = per_tok.sum() / num_tokens_global
-    # stats: local token means. The clipped branch is active (and has zero grad) when rho left the
-    # trust region on the side the advantage pushes towards: rho < 1-eps with A < 0, rho > 1+eps_hi with A > 0.
-    with torch.no_grad():
-        nt = mf.sum().clamp(min=1)
-        lo = (ratio < 1 - eps_lo) & (a < 0) & m
-        hi = (ratio > 1 + eps_hi) & (a > 0) & m
-        stats = {"clip_frac": ((lo | hi).float().sum() / nt).item(), "clip_frac_low": (lo.float().sum() / nt).item(),
-                 "clip_frac_high": (hi.float().sum() / nt).item(), "ratio_mean": ((ratio * mf).sum() / nt).item(),
-                 "num_tokens": int(mf.sum().item())}
-        if kl is not None:
-            stats["kl"] = ((kl * mf).sum() / nt).item()
-    return loss, stats
+    return loss, _clip_stats(ratio, a, m, mf, kl, eps_lo, eps_hi)
+
+
+def _check_inputs(old_logp, adv, mask, ref_logp, tis_weight, shape, loss_type: str, epsilon: float,
+                  epsilon_high: float | None, beta: float) -> tuple[float, float]:
+    """Shapes and ranges, each a ValueError naming the argument; -> (epsilon, epsilon_high)."""
+    for name, t in (("old_logp", old_logp), ("mask", mask), ("ref_logp", ref_logp), ("tis_weight", tis_weight)):
+        if t is not None:
+            _check(name, t, shape)
+    _check("adv", adv, shape[:1])
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type: expected one of {LOSS_TYPES}, got {loss_type!r}")
+    eps_lo, eps_hi = epsilon, (epsilon if epsilon_high is None else epsilon_high)
+    if not (0 <= eps_lo < 1 and eps_hi >= 0):
+        raise ValueError(f"epsilon/epsilon_high: expected 0 <= epsilon < 1, epsilon_high >= 0, got {eps_lo}, {eps_hi}")
+    if beta < 0 or (beta > 0 and ref_logp is None):
+        raise ValueError(f"beta: expected >= 0 and ref_logp given when beta > 0, got beta={beta}")
+    return eps_lo, eps_hi
+
+
+@torch.no_grad()
+def _clip_stats(ratio, a, m, mf, kl, eps_lo: float, eps_hi: float) -> dict:
+    """Local token means. The clipped branch is active (and has zero grad) when rho left the trust
+    region on the side the advantage pushes towards: rho < 1-eps with A < 0, rho > 1+eps_hi with A > 0."""
+    nt = mf.sum().clamp(min=1)
+    lo = (ratio < 1 - eps_lo) & (a < 0) & m
+    hi = (ratio > 1 + eps_hi) & (a > 0) & m
+    stats = {"clip_frac": ((lo | hi).float().sum() / nt).item(), "clip_frac_low": (lo.float().sum() / nt).item(),
+             "clip_frac_high": (hi.float().sum() / nt).item(), "ratio_mean": ((ratio * mf).sum() / nt).item(),
+             "num_tokens": int(mf.sum().item())}
+    if kl is not None:
+        stats["kl"] = ((kl * mf).sum() / nt).item()
+    return stats
 
 
 def tis_weights(train_logp: Tensor, rollout_logp: Tensor, mask: Tensor, cap: float, mode: str = "truncate"):

@@ -30,7 +30,6 @@ from dataclasses import dataclass, replace
 from typing import Callable, Hashable
 
 from nanospec.rl import dist
-from nanospec.rl.faults import fault_point
 from nanospec.drafters.chain import find_drafter
 from nanospec.engine.llm import LLM, summarize
 from nanospec.rl.scheduling import LengthPredictor, assign_to_ranks, imbalance, rank_work
@@ -159,7 +158,6 @@ class RolloutWorker:
             t0 = time.perf_counter()
             groups = [(i, self._add(problems[i], pred[i], i)) for i in assignment[self.rank]]  # longest first
             while llm.scheduler.has_work():
-                fault_point("rollout", step, self.rank)
                 llm.step()
             t_busy = time.perf_counter()
             stats = _plain_stats(llm.stats)
@@ -257,7 +255,7 @@ class RolloutWorker:
         return m
 
     def _trace(self, problems, assignment, ranks: list[dict]) -> dict:
-        """The step as nanospec.simulate replays it: group-major in prompt order, every response's
+        """The step as tools.simulate replays it: group-major in prompt order, every response's
         length, target forwards and drafts verified; each prompt's length and rank; per-rank counters."""
         fwd = {i: f for r in ranks for i, f in r["forwards"].items()}
         rank_of = {i: r for r, idx in enumerate(assignment) for i in idx}

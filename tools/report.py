@@ -1,6 +1,6 @@
 """Plots and a one-page Markdown report of where rollout time goes.
 
-    python -m nanospec.rl.report RUN_DIR [RUN_DIR ...] [--compare OTHER_RUN_DIR [OTHER_RUN_DIR ...]]
+    python -m tools.report RUN_DIR [RUN_DIR ...] [--compare OTHER_RUN_DIR [OTHER_RUN_DIR ...]]
 
 reads RUN_DIR/metrics.jsonl (one JSON object per GRPO optimizer step, times in seconds) and writes
 RUN_DIR/report_*.png + RUN_DIR/report.md. Why these pictures: in a batched GRPO rollout every rank
@@ -191,7 +191,7 @@ def plot_timeline(recs, out) -> str | None:
 
 
 def plot_sim_timeline(measured: list[dict], simulated: list[dict], out: str) -> str:
-    """Measured vs simulated (`python -m nanospec.simulate --plot`) per-rank timelines of the same steps,
+    """Measured vs simulated (`python -m tools.simulate --plot`) per-rank timelines of the same steps,
     one panel each on one time axis: rollout busy, bubble (idle), train, weight sync. Both lists hold
     metrics-like dicts (`rank_busy_time`, `rank_bubble_time`, `time_rollout`, `time_train`, ...)."""
     if not measured or not simulated:
@@ -372,6 +372,21 @@ def seed_table(arms: list[tuple[str, list[str], list[list[dict]]]]) -> list[str]
     return lines
 
 
+# (panel title, [(metric, legend)]) of the report's line plots; the speculation panels add each drafter
+QUALITY_PANELS = [
+    ("reward", [("reward_mean", "mean reward (+-std)")]),
+    ("eval reward", [("eval/reward_mean", "greedy"), ("eval/sampled_reward_mean", "sampled")]),
+    ("accuracy", [("accuracy", "accuracy"), ("frac_reward_zero_std", "frac zero-std groups")]),
+    ("response length", [("response_len_mean", "mean"), ("response_len_p50", "p50"),
+                         ("response_len_max", "max"), ("completions/mean_terminated_length", "ended")]),
+    ("truncation / entropy", [("completions/clipped_ratio", "truncated share"), ("entropy", "entropy")])]
+TRAIN_PANELS = [
+    ("loss", [("loss", "loss")]), ("grad norm", [("grad_norm", "grad norm")]),
+    ("kl / clip", [("kl", "kl"), ("clip_frac", "clip frac")]),
+    ("advantage mass", [("adv_mass/truncated", "truncated"), ("adv_mass/terminated", "terminated")]),
+    ("logprob mismatch", [("mismatch/mean_abs", "mean |d|"), ("mismatch/max_abs", "max |d|")])]
+
+
 def write_report(run_dir, compare_dir=None) -> str:
     """Write report_*.png and report.md into the (first) run dir; returns the report.md path.
     run_dir / compare_dir: a run dir, or a list of run dirs of one arm (seeds)."""
@@ -410,23 +425,13 @@ def write_report(run_dir, compare_dir=None) -> str:
             why="no `rank_busy_time` / `rank_rollout_time` in metrics")
     lines += ["", "Rows are ranks; grey = idle bubble waiting for the slowest rank, hatched green = bubble spent "
                  "pre-generating drafts." + (" (main run only)" if len(runs) > 1 else "")]
-    quality = [("reward", [("reward_mean", "mean reward (+-std)")]),
-               ("eval reward", [("eval/reward_mean", "greedy"), ("eval/sampled_reward_mean", "sampled")]),
-               ("accuracy", [("accuracy", "accuracy"), ("frac_reward_zero_std", "frac zero-std groups")]),
-               ("response length", [("response_len_mean", "mean"), ("response_len_p50", "p50"),
-                                    ("response_len_max", "max"), ("completions/mean_terminated_length", "ended")]),
-               ("truncation / entropy", [("completions/clipped_ratio", "truncated share"), ("entropy", "entropy")])]
     spec = [("accepted length", [("mean_accepted_len", "all")] + per("mean_accepted_len")),
             ("target fwd / token", [("target_forwards_per_token", "all")]),
             ("acceptance rate", per("acceptance_rate")),
             ("draft length", [("draft_len_mean", "all")] + per("draft_len")),
             ("spec on frac", [("spec_on_frac", "spec on"), ("bubble_recovered_frac", "bubble recovered")])]
-    train = [("loss", [("loss", "loss")]), ("grad norm", [("grad_norm", "grad norm")]),
-             ("kl / clip", [("kl", "kl"), ("clip_frac", "clip frac")]),
-             ("advantage mass", [("adv_mass/truncated", "truncated"), ("adv_mass/terminated", "terminated")]),
-             ("logprob mismatch", [("mismatch/mean_abs", "mean |d|"), ("mismatch/max_abs", "max |d|")])]
-    for title, panels, name in (("Reward, accuracy, response length", quality, "quality"),
-                                ("Speculation", spec, "speculation"), ("Training health", train, "training")):
+    for title, panels, name in (("Reward, accuracy, response length", QUALITY_PANELS, "quality"),
+                                ("Speculation", spec, "speculation"), ("Training health", TRAIN_PANELS, "training")):
         path, notes = _line_panels(runs, panels, p(name), title, spreads)
         section(title, path, notes, why="none of its metrics present")
     section("Step-time breakdown", plot_step_time(runs, p("step_time")),
@@ -438,7 +443,7 @@ def write_report(run_dir, compare_dir=None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m nanospec.rl.report", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m tools.report", description=__doc__.splitlines()[0])
     ap.add_argument("run_dir", nargs="+", help="directory holding metrics.jsonl; several: one arm's seeds")
     ap.add_argument("--compare", nargs="+", default=None,
                     help="a second arm drawn on the same axes: one run dir, or several (its seeds)")

@@ -1,12 +1,12 @@
 """Soak: GRPO with random faults for as long as asked; reports the faults, what survived them, and the
 data lost, which must be none.
 
-    python -m nanospec.soak --minutes 20 [--seed 0] [--out runs/soak]
+    python -m tools.soak --minutes 20 [--seed 0] [--out runs/soak]
 
 Rounds alternate at random between:
   kill    a 2-rank torchrun of the embedded default (short SFT, 4 GRPO steps, a checkpoint every 2, every
           speculation policy on, in the repeatable mode of tests/test_faults.py) SIGKILLed 1-3 times at
-          random points (rollout, optimizer step, checkpoint write; rl/faults.py), relaunched with
+          random points (rollout, optimizer step, checkpoint write; tools/faults.py), relaunched with
           --resume until it finishes. Lost: a complete checkpoint gone before a newer one exists, or a
           metric or the final weights differing from an uninterrupted reference run.
   flood   random requests (greedy and seeded, n up to 4) through an LLM whose KV pool holds about
@@ -60,7 +60,8 @@ class Soak:
     # ---- kill rounds -------------------------------------------------------------------------------
     def train(self, run: Path, *extra, fault: str = "") -> int:
         profile = self.out / "profile.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               *(["-m", "tools.faults"] if fault else []), "train.py",
                *RUN, f"--run.out_dir={run}", f"--sft.out_dir={self.out / 'sft'}", *extra,
                *([f"--speculation.latency_profile={profile}"] if profile.is_file() else [])]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "NANOSPEC_FAULT": fault}

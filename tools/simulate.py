@@ -1,10 +1,10 @@
 """Projected GRPO step time, sync or async x AR or speculative, from a roofline of decode, verify and
 train, an event-driven replay of each rank's drain, and a nanospec run's measured traces.
 
-    python -m nanospec.simulate --run RUN_DIR                    # replay a run on this CPU (calibrated)
-    python -m nanospec.simulate --run RUN_DIR --hardware cuda    # a GPU run, on this machine's GPU (calibrated)
-    python -m nanospec.simulate --run bench_out/rollout.json --model runs/sft   # bench rows with `steps`
-    python -m nanospec.simulate --lengths gsm8k --acceptance 0.40 --model qwen3-8b --hardware h100 --dp 8
+    python -m tools.simulate --run RUN_DIR                    # replay a run on this CPU (calibrated)
+    python -m tools.simulate --run RUN_DIR --hardware cuda    # a GPU run, on this machine's GPU (calibrated)
+    python -m tools.simulate --run bench_out/rollout.json --model runs/sft   # bench rows with `steps`
+    python -m tools.simulate --lengths gsm8k --acceptance 0.40 --model qwen3-8b --hardware h100 --dp 8
 
 Nothing here is a speedup: every number comes from the model's shape, the hardware and the trace.
  * Roofline (Williams, Waterman & Patterson, CACM 2009): an engine step costs
@@ -618,18 +618,39 @@ def calibrate(cfg: dict, threads: int, where: str, sync=lambda: None, light: boo
     import time
     import numpy as np
     import torch
-    from scipy.optimize import least_squares, nnls
-    from nanospec.config import SpeculationConfig
-    from nanospec.engine.llm import LLM
-    from nanospec.engine.sequence import SamplingParams
-    from nanospec.models.decoder import CausalLM, ModelArgs
-    from nanospec.rl.grpo import completion_logprobs, make_microbatch, micro_batches
-    from nanospec.rl.loss import policy_loss, tis_weights
-    from nanospec.rl.rollout import Sample
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     gpu = device != "cpu"
     m = ModelShape.from_config(cfg, where, "bfloat16" if gpu else "float32")
+    llm, args, maxlen = _calibration_engine(cfg, where, device)
+    wait = torch.cuda.synchronize if gpu else (lambda: None)
+    med = lambda f, n=3: float(np.median([f() for _ in range(n)]))
+    t_start = time.perf_counter()
+    done = (lambda phase: log(f"{phase} ({time.perf_counter() - t_start:.0f} s)")) if log else (lambda phase: None)
+    prompt_range = (32, 96) if light else (6, 48)   # light: a CPU rank's prompts of a real model's GRPO
+    hw = _fit_roofline(llm, m, maxlen, med, light, gpu, sync, done)
+    hw = replace(hw, draft_step_overhead_s=head_overhead(llm, m, hw, maxlen, med, 1 if light else 3))
+    done("draft head forwards timed")
+    sync()
+    hw = _fit_engine_overheads(llm, hw, m, args.vocab_size, light, prompt_range, done)
+    hw = _fit_trainer(hw, m, args, device, light, prompt_range, sync, wait, done)
+    buf = torch.empty(m.params, dtype=torch.float32, device=device)
+
+    def copy_time() -> float:
+        wait()
+        t0 = time.perf_counter()
+        buf.clone()
+        wait()
+        return time.perf_counter() - t0
+    return replace(hw, interconnect_bw=2 * buf.numel() * 4 / med(copy_time))   # a transfer costs 2n / bw
+
+
+def _calibration_engine(cfg: dict, where: str, device: str) -> tuple:
+    """-> (LLM, ModelArgs, max_model_len): a random model of this shape behind the trainer's drafters and controller."""
+    from nanospec.config import SpeculationConfig
+    from nanospec.engine.llm import LLM
+    from nanospec.models.decoder import CausalLM, ModelArgs
+    gpu = device != "cpu"
     args = ModelArgs.from_hf(dict(cfg, model_type=cfg.get("model_type", "llama")), where)
     maxlen = min(args.max_position_embeddings, 256)
     llm = LLM(CausalLM(args).to(device).eval(), None, max_num_seqs=64, max_model_len=maxlen,
@@ -637,24 +658,44 @@ def calibrate(cfg: dict, threads: int, where: str, sync=lambda: None, light: boo
               speculative=[{"method": "prior", "num_draft_tokens": 8}, {"method": "suffix", "num_draft_tokens": 8}],
               device=device, dtype="bfloat16" if gpu else "float32", use_cuda_graphs=gpu,
               num_kv_blocks=4 * 64 * maxlen // 16 if gpu else None)     # not half the GPU's memory
-    wait = torch.cuda.synchronize if gpu else (lambda: None)
-    med = lambda f, n=3: float(np.median([f() for _ in range(n)]))
-    t_start = time.perf_counter()
-    done = (lambda phase: log(f"{phase} ({time.perf_counter() - t_start:.0f} s)")) if log else (lambda phase: None)
+    return llm, args, maxlen
+
+
+def _forward_time(hw: Hardware, m: ModelShape, B: float, C: float, Q: float) -> float:
+    """The roofline of LLM.time_forward(B, C, Q): B rows of C cached tokens, Q new ones each (Q > 1 verifies)."""
+    return step_time(hw, m, 1, B, B * Q, B * C, B * Q * (C + Q / 2), Q > 1)
+
+
+def _fit_relative(X, y, t):
+    """Non-negative least squares of y ~ X in relative error (each row / its time t): cheap steps count alike."""
+    import numpy as np
+    from scipy.optimize import nnls
+    return nnls(np.array(X) / np.array(t)[:, None], np.array(y) / np.array(t))[0]
+
+
+def _fit_roofline(llm, m: ModelShape, maxlen: int, med, light: bool, gpu: bool, sync, done) -> Hardware:
+    """Phase 1: LLM.time_forward over a (B, C, Q) grid -> flops, mem_bw, step, row and verify overheads."""
+    import numpy as np
+    from scipy.optimize import least_squares
     grid = ([(B, C, Q) for B in (1, 4, 16) for C in (16, maxlen // 2, maxlen * 3 // 4) for Q in (1, 5)] if light else
             [(B, C, Q) for B in (1, 4, 16, 64) for C in (16, 64, maxlen // 2) for Q in (1, 3, 9)])
-    prompt_range = (32, 96) if light else (6, 48)   # light: a CPU rank's prompts of a real model's GRPO
     llm.time_forward(8, 16, 1)                                                         # warm-up
     sync()                                     # every calibrating process starts each phase together
     fwd = [(B, C, Q, med(lambda: llm.time_forward(B, C, Q), 1 if light else 3)) for B, C, Q in grid]
     done(f"{len(grid)} forward shapes timed")
     hw_of = lambda x: Hardware("cpu", *np.exp(x[:2]), 1.0, *np.exp(x[2:5]))
-    pred = lambda hw, B, C, Q: step_time(hw, m, 1, B, B * Q, B * C, B * Q * (C + Q / 2), Q > 1)
-    x = least_squares(lambda x: [math.log(pred(hw_of(x), B, C, Q) / t) for B, C, Q, t in fwd],
+    x = least_squares(lambda x: [math.log(_forward_time(hw_of(x), m, B, C, Q) / t) for B, C, Q, t in fwd],
                       np.log([1e14 if gpu else 1e10, 1e12 if gpu else 1e10, 1e-3, 1e-5, 1e-4])).x
-    hw = hw_of(x)
-    hw = replace(hw, draft_step_overhead_s=head_overhead(llm, m, hw, maxlen, med, 1 if light else 3))
-    done("draft head forwards timed")
+    return hw_of(x)
+
+
+def _fit_engine_overheads(llm, hw: Hardware, m: ModelShape, vocab: int, light: bool, prompt_range: tuple,
+                          done) -> Hardware:
+    """Phase 2: host time per step and per row beyond the forward (AR drains), then a verify step's extra
+    and drafting per row (drains whose drafts are all accepted)."""
+    import time
+    import torch
+    from nanospec.engine.sequence import SamplingParams
 
     def drain_steps(spec: bool, seed: int) -> list:      # [(B, C, Q, seconds)] of decode steps
         """A GRPO-like drain: 8 prompts (6-48 tokens) x 8 greedy samples, each stopping at a log-uniform
@@ -665,7 +706,7 @@ def calibrate(cfg: dict, threads: int, where: str, sync=lambda: None, light: boo
         g = torch.Generator().manual_seed(seed)
         rnd = lambda lo, hi: int(torch.randint(lo, hi, (1,), generator=g))
         for i in range(2 if light else 8):
-            ids = torch.randint(3, args.vocab_size, (rnd(*prompt_range),), generator=g).tolist()
+            ids = torch.randint(3, vocab, (rnd(*prompt_range),), generator=g).tolist()
             for j in range(8):
                 T = int(4 * 32 ** float(torch.rand(1, generator=g)))
                 llm.add_request(ids, SamplingParams(temperature=0.0, max_tokens=T), 8 * i + j, ("cal", seed, i, j))
@@ -679,10 +720,9 @@ def calibrate(cfg: dict, threads: int, where: str, sync=lambda: None, light: boo
                 Q = (llm.stats["generated_tokens"] - before) / len(rows)   # all drafts accepted: Q = emitted
                 out.append((len(rows), C, Q, time.perf_counter() - t0))
         return out
-    sync()
-    fit = lambda X, y, t: nnls(np.array(X) / np.array(t)[:, None], np.array(y) / np.array(t))[0]
     ar = [s for seed in ((1, 2) if light else (1, 2, 5, 6)) for s in drain_steps(False, seed)]
-    a, b = fit([[1.0, B] for B, *_ in ar], [t - pred(hw, B, C, 1) for B, C, _, t in ar], [s[3] for s in ar])
+    a, b = _fit_relative([[1.0, B] for B, *_ in ar], [t - _forward_time(hw, m, B, C, 1) for B, C, _, t in ar],
+                         [s[3] for s in ar])
     hw = replace(hw, step_overhead_s=hw.step_overhead_s + a, seq_overhead_s=hw.seq_overhead_s + b)
     done(f"{len(ar)} decode steps timed")
     spec_seeds = (3, 4)                            # light too: its short drains verify few steps each
@@ -690,10 +730,22 @@ def calibrate(cfg: dict, threads: int, where: str, sync=lambda: None, light: boo
         drain_steps(True, seed)                    # the drafters learn these (greedy) responses ...
     ver = [s for seed in spec_seeds for s in drain_steps(True, seed) if s[2] > 1]   # ... and draft them, all accepted
     if len(ver) >= 2:       # the controller may draft on too few steps to fit (and nnls aborts on none)
-        c, d = fit([[1.0, B] for B, *_ in ver], [t - pred(hw, B, C, Q) for B, C, Q, t in ver], [s[3] for s in ver])
+        c, d = _fit_relative([[1.0, B] for B, *_ in ver], [t - _forward_time(hw, m, B, C, Q) for B, C, Q, t in ver],
+                             [s[3] for s in ver])
         hw = replace(hw, verify_overhead_s=hw.verify_overhead_s + c, draft_seq_s=d)
     done(f"{len(ver)} verify steps timed" + ("" if len(ver) >= 2 else ": too few, the forward grid's verify cost stands"))
+    return hw
 
+
+def _fit_trainer(hw: Hardware, m: ModelShape, args, device: str, light: bool, prompt_range: tuple, sync, wait,
+                 done) -> Hardware:
+    """Phase 3: trainer steps on a fresh policy -> train_mfu and train_overhead_s, beyond AdamW's traffic."""
+    import time
+    import torch
+    from nanospec.models.decoder import CausalLM
+    from nanospec.rl.grpo import completion_logprobs, make_microbatch, micro_batches
+    from nanospec.rl.loss import policy_loss, tis_weights
+    from nanospec.rl.rollout import Sample
     policy = CausalLM(args).to(device).train()
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-6)
 
@@ -710,7 +762,7 @@ def calibrate(cfg: dict, threads: int, where: str, sync=lambda: None, light: boo
         for idx in micro_batches(samples, 1):     # Trainer.learn's loss: TIS weights, clipped surrogate
             mb = make_microbatch([samples[i] for i in idx], torch.randn(len(idx)), 0, device)
             logp = completion_logprobs(policy, mb, 1.0)[0]
-            w, _ = tis_weights(logp.detach(), mb.rollout_lp, mb.mask, 2.0)
+            w, _ = tis_weights(logp.detach(), mb.behaviour_lp, mb.mask, 2.0)
             policy_loss(logp, logp.detach(), mb.adv, mb.mask, num_seqs_global=n, tis_weight=w)[0].backward()
         torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
         opt.step()
@@ -724,17 +776,8 @@ def calibrate(cfg: dict, threads: int, where: str, sync=lambda: None, light: boo
     rows = [(lambda lens, t: (train_time(base, m, [lens], False) - optim, t - optim))(*train_step(n, seed))
             for n in ((8, 16) if light else (16, 32, 64)) for seed in ((1,) if light else (1, 2, 3))]
     done(f"{len(rows)} trainer steps timed")
-    inv, over = fit([[c, 1.0] for c, _ in rows], [t for _, t in rows], [t for _, t in rows])
-    buf = torch.empty(m.params, dtype=torch.float32, device=device)
-
-    def copy_time() -> float:
-        wait()
-        t0 = time.perf_counter()
-        buf.clone()
-        wait()
-        return time.perf_counter() - t0
-    return replace(hw, train_mfu=1.0 / max(inv, 1e-12), train_overhead_s=over,
-                   interconnect_bw=2 * buf.numel() * 4 / med(copy_time))   # a transfer costs 2n / bw
+    inv, over = _fit_relative([[c, 1.0] for c, _ in rows], [t for _, t in rows], [t for _, t in rows])
+    return replace(hw, train_mfu=1.0 / max(inv, 1e-12), train_overhead_s=over)
 
 
 def head_overhead(llm, m: ModelShape, hw: Hardware, maxlen: int, med, reps: int) -> float:
@@ -821,8 +864,8 @@ def _acceptance(text: str) -> float | tuple:
     return values[0] if len(values) == 1 else values
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m nanospec.simulate", description=__doc__.splitlines()[0])
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m tools.simulate", description=__doc__.splitlines()[0])
     ap.add_argument("--run", help="RUN_DIR (metrics.jsonl, config.yaml) or a bench JSON whose rows keep 'steps'")
     ap.add_argument("--lengths", help="'gsm8k' or a GSM8K-format .jsonl: lengths of its reference solutions")
     ap.add_argument("--prompts", type=int, default=64, help="--lengths: prompts per step")
@@ -851,36 +894,73 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mode", default="both", choices=("sync", "async", "both"))
     ap.add_argument("--out", help="write the results as JSON here")
     ap.add_argument("--plot", help="--run RUN_DIR: simulated vs measured timeline PNG")
-    a = ap.parse_args(argv)
+    return ap
+
+
+def _traces(a) -> tuple[list, dict]:
+    """-> ([(label, trace)], the run's config): --run's steps less the warm-up, or --lengths' projected
+    trace; --acceptance replaces every step's speculation."""
+    if bool(a.run) == bool(a.lengths):
+        raise ValueError("pass one of --run RUN_DIR|bench.json and --lengths gsm8k|FILE.jsonl")
+    runs, cfg = read_run(a.run, a.prompt_len) if a.run else ([], {})
+    runs = [(label, tr[a.skip:] if len(tr) > a.skip else tr) for label, tr in runs]
+    if a.lengths:
+        if a.lengths == "gsm8k":
+            from nanospec.tasks.dataset import default_gsm8k_dir
+        path = default_gsm8k_dir() / "train.jsonl" if a.lengths == "gsm8k" else Path(a.lengths)
+        if a.acceptance is None:
+            raise ValueError("--lengths needs --acceptance (the drafts' per-token acceptance)")
+        runs = [(f"gsm8k x{a.prompts}x{a.G}" + (f", lengths x{a.length_scale:g}" if a.length_scale != 1 else ""),
+                 gsm8k_trace(str(path), a.prompts, a.G, a.steps, Spec(), a.length_scale))]
+    if a.acceptance is not None:
+        best = Spec(((1.0, a.draft_len, a.acceptance),), 1.0, a.draft_len)
+        runs = [(label, [dict(st, spec=best, rank_specs=None, rates=None) for st in tr]) for label, tr in runs]
+    return runs, cfg
+
+
+def _model_shape(a, cfg: dict, runs: list) -> tuple[ModelShape, dict, str, list]:
+    """-> (the model's shape, its config, where that was read, runs whose steps price the draft head)."""
+    spec_model = a.model or _cfg(cfg, "model", "path") or _cfg(cfg, "sft", "out_dir")
+    if not spec_model:
+        raise ValueError(f"{a.run}: no model to size: pass --model (a preset, config.json or model)")
+    mcfg, where = load_model_config(spec_model)
+    dtype = a.dtype or (_cfg(cfg, "rollout", "dtype") if a.run and not a.model else None)
+    m = ModelShape.from_config(mcfg, where, dtype)
+    head = run_head(cfg, m) if a.run else None     # a replayed run's head: its forwards priced
+    if a.drafter == "head":
+        if a.acceptance is None:
+            raise ValueError("--drafter head needs --acceptance (the head's, per draft position)")
+        head = m.draft_head(a.draft_vocab)
+    if head is not None:
+        runs = [(label, [dict(st, spec=replace(st["spec"], head=head)) for st in tr]) for label, tr in runs]
+    return m, mcfg, where, runs
+
+
+def _report_run(a, label: str, trace: list[dict], hw: Hardware, m: ModelShape, lay: Layout, ref: bool,
+                modes: tuple, projecting: bool) -> dict:
+    """One trace simulated AR and speculative: its tables printed (and plotted) -> its entry of the JSON."""
+    res = {kind: simulate(trace, hw, m, lay, kind, ref) for kind in ("ar", "spec")}
+    rows = table(res, modes, lay.dp)
+    val = [] if projecting else validate(label, trace, res)
+    lens = [L for st in trace for _, ls in st["groups"] for L in ls]
+    print_rows(rows, f"{label}: {len(trace)} steps of {len(lens) // max(len(trace), 1)} responses "
+                     f"(mean {sum(lens) / max(len(lens), 1):.0f} tokens), projected seconds per step")
+    if val:
+        print_rows(val, f"{label}: predicted (trace replayed) vs measured, mean per step")
+    for kind in res:     # the engine-step timelines are for plots, not the JSON
+        for s in res[kind]["sync"]:
+            s.pop("engine_steps")
+    if a.plot and a.run and Path(a.run).is_dir():
+        from tools.report import plot_sim_timeline
+        print("wrote", plot_sim_timeline([st["measured"] for st in trace], res["spec"]["sync"], a.plot))
+    return dict(label=label, table=rows, validation=val, simulated=res)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = _parser().parse_args(argv)
     try:
-        if bool(a.run) == bool(a.lengths):
-            raise ValueError("pass one of --run RUN_DIR|bench.json and --lengths gsm8k|FILE.jsonl")
-        runs, cfg = read_run(a.run, a.prompt_len) if a.run else ([], {})
-        runs = [(label, tr[a.skip:] if len(tr) > a.skip else tr) for label, tr in runs]
-        if a.lengths:
-            if a.lengths == "gsm8k":
-                from nanospec.tasks.dataset import default_gsm8k_dir
-            path = default_gsm8k_dir() / "train.jsonl" if a.lengths == "gsm8k" else Path(a.lengths)
-            if a.acceptance is None:
-                raise ValueError("--lengths needs --acceptance (the drafts' per-token acceptance)")
-            runs = [(f"gsm8k x{a.prompts}x{a.G}" + (f", lengths x{a.length_scale:g}" if a.length_scale != 1 else ""),
-                     gsm8k_trace(str(path), a.prompts, a.G, a.steps, Spec(), a.length_scale))]
-        if a.acceptance is not None:
-            best = Spec(((1.0, a.draft_len, a.acceptance),), 1.0, a.draft_len)
-            runs = [(label, [dict(st, spec=best, rank_specs=None, rates=None) for st in tr]) for label, tr in runs]
-        spec_model = a.model or _cfg(cfg, "model", "path") or _cfg(cfg, "sft", "out_dir")
-        if not spec_model:
-            raise ValueError(f"{a.run}: no model to size: pass --model (a preset, config.json or model)")
-        mcfg, where = load_model_config(spec_model)
-        dtype = a.dtype or (_cfg(cfg, "rollout", "dtype") if a.run and not a.model else None)
-        m = ModelShape.from_config(mcfg, where, dtype)
-        head = run_head(cfg, m) if a.run else None     # a replayed run's head: its forwards priced
-        if a.drafter == "head":
-            if a.acceptance is None:
-                raise ValueError("--drafter head needs --acceptance (the head's, per draft position)")
-            head = m.draft_head(a.draft_vocab)
-        if head is not None:
-            runs = [(label, [dict(st, spec=replace(st["spec"], head=head)) for st in tr]) for label, tr in runs]
+        runs, cfg = _traces(a)
+        m, mcfg, where, runs = _model_shape(a, cfg, runs)
         first = runs[0][1][0]["measured"] if runs and runs[0][1] else {}
         if a.hardware == "cuda":
             import torch
@@ -920,21 +1000,7 @@ def main(argv: list[str] | None = None) -> int:
         print_rows(out["memory"], f"memory per rank, {lay.dp * lay.tp} ranks, KV for {lay.max_seqs} sequences of "
                                   f"{ctx:.0f} tokens, {DEVICE_BYTES[hw.name] / 1e9:.0f} GB per device")
     for label, trace in runs:
-        res = {kind: simulate(trace, hw, m, lay, kind, ref) for kind in ("ar", "spec")}
-        rows = table(res, modes, lay.dp)
-        val = [] if projecting else validate(label, trace, res)
-        lens = [L for st in trace for _, ls in st["groups"] for L in ls]
-        print_rows(rows, f"{label}: {len(trace)} steps of {len(lens) // max(len(trace), 1)} responses "
-                         f"(mean {sum(lens) / max(len(lens), 1):.0f} tokens), projected seconds per step")
-        if val:
-            print_rows(val, f"{label}: predicted (trace replayed) vs measured, mean per step")
-        for kind in res:     # the engine-step timelines are for plots, not the JSON
-            for s in res[kind]["sync"]:
-                s.pop("engine_steps")
-        out["runs"].append(dict(label=label, table=rows, validation=val, simulated=res))
-        if a.plot and a.run and Path(a.run).is_dir():
-            from nanospec.rl.report import plot_sim_timeline
-            print("wrote", plot_sim_timeline([st["measured"] for st in trace], res["spec"]["sync"], a.plot))
+        out["runs"].append(_report_run(a, label, trace, hw, m, lay, ref, modes, projecting))
     if a.out:
         Path(a.out).write_text(json.dumps(out, indent=1))
         print("wrote", a.out)
