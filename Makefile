@@ -20,9 +20,11 @@ draft: venv  ## the small draft model for `method: draft_model` (SFT only; runs/
 mlp: venv    ## the n-gram MLP for `method: suffix_mlp`, distilled from runs/sft (~40 s; runs/ngram_mlp)
 	$(BIN)/python distill_mlp.py --model runs/sft --out runs/ngram_mlp
 
-head: venv   ## the draft head for `method: head` on SmolLM2's task (runs/head_smollm2; ~50 min on 2 cores)
-	OMP_NUM_THREADS=2 $(BIN)/python distill_head.py --config configs/smollm2_arith.yaml --out runs/head_smollm2 \
+head: venv   ## the draft head for `method: head` on SmolLM2's task (runs/head_smollm2; ~100 min on 2 cores)
+	OMP_NUM_THREADS=2 $(BIN)/python distill_head.py --config configs/smollm2_arith.yaml --out runs/head_smollm2_warm \
 	  --prompts 128 --samples 4 --epochs 20 --draft-vocab 4096
+	OMP_NUM_THREADS=2 $(BIN)/python distill_head.py --config configs/smollm2_arith.yaml --out runs/head_smollm2 \
+	  --prompts 256 --samples 4 --epochs 4 --init runs/head_smollm2_warm
 
 smollm2: venv  ## a real model: SmolLM2-135M-Instruct (fetched once, ~93 MB) + GRPO on word problems, 2 CPU ranks
 	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc_per_node=2 train.py --config configs/smollm2_arith.yaml

@@ -2,6 +2,7 @@
 
     python distill_head.py --config configs/smollm2_arith.yaml --out runs/head_smollm2 --draft-vocab 4096
     python distill_head.py --config configs/default.yaml --out runs/head            # the embedded model (runs/sft)
+    python distill_head.py ... --prompts 256 --epochs 4 --init runs/head_smollm2_warm   # more data, from a head
 
 Self-distillation, EAGLE's recipe on our own data: the base model samples responses to the task's
 training prompts at the run's temperature, one plain forward gives its hidden states, and the head
@@ -17,7 +18,7 @@ import torch
 
 from nanospec import LLM, SamplingParams
 from nanospec.config import load_config
-from nanospec.drafters.head import DraftHead, completion_mask, frequent_tokens, head_loss
+from nanospec.drafters.head import DraftHead, completion_mask, frequent_tokens, head_loss, load_head
 from nanospec.models.hub import resolve_model
 from nanospec.tasks import format_prompt, task_from_config
 
@@ -43,18 +44,18 @@ def generations(llm, prompts, samples: int, max_tokens: int, temperature: float,
 
 def distill(llm, prompts, samples: int, max_tokens: int, temperature: float, epochs: int = 4,
             batch_tokens: int = 4096, lr: float = 1e-3, draft_vocab: int | None = None, seed: int = 0,
-            cache: Path | None = None, log=print) -> DraftHead:
+            cache: Path | None = None, log=print, init: DraftHead | None = None) -> DraftHead:
     t0 = time.perf_counter()
     seqs = generations(llm, prompts, samples, max_tokens, temperature, seed, cache)
     log(f"[head] {len(seqs)} samples, {sum(len(s) - p for s, p in seqs)} completion tokens in "
         f"{time.perf_counter() - t0:.0f}s")
     vocab = None
-    if draft_vocab is not None:
+    if draft_vocab is not None and init is None:
         eos = llm.eos_ids
         vocab = frequent_tokens([s[p:] for s, p in seqs], draft_vocab, always=sorted(eos))
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        head = DraftHead(llm.model, vocab).float().train()
+        head = (init if init is not None else DraftHead(llm.model, vocab)).float().train()
     # batches of similar lengths, hidden states once (the model is frozen here)
     seqs.sort(key=lambda x: len(x[0]))
     batches, cur = [], []
@@ -100,6 +101,7 @@ def main(argv=None) -> None:
     ap.add_argument("--epochs", type=int, default=4)
     ap.add_argument("--draft-vocab", type=int, default=None, help="the N most frequent response tokens (EAGLE-3)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--init", default=None, help="continue from this head (its draft vocabulary) instead of a fresh one")
     args, overrides = ap.parse_known_args(argv)
     cfg = load_config(args.config, overrides)
     model = args.model or (resolve_model(cfg.model.path) if cfg.model.path else cfg.sft.out_dir)
@@ -107,8 +109,12 @@ def main(argv=None) -> None:
     task = task_from_config(cfg.task)
     prompts = [format_prompt(llm.tokenizer, p.messages or p.prompt) for p in task.train(cfg.task.num_train)[:args.prompts]]
     g = cfg.grpo
+    try:
+        init = load_head(args.init, llm.model, "--init") if args.init else None
+    except (ValueError, FileNotFoundError) as e:     # a head of another model, or no head directory
+        ap.error(str(e))
     head = distill(llm, prompts, args.samples, g.max_completion_length, g.temperature, args.epochs,
-                   draft_vocab=args.draft_vocab, seed=args.seed, cache=Path(args.out) / "generations.json")
+                   draft_vocab=args.draft_vocab, seed=args.seed, cache=Path(args.out) / "generations.json", init=init)
     head.save(args.out)
     print(f"[head] wrote {args.out}")
 

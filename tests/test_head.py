@@ -133,6 +133,20 @@ def test_warm_start_teaches_the_head(model, warm_head):
     assert warm < 0.5 * cold, (warm, cold)
 
 
+def test_a_warm_start_can_continue_from_a_head(model, warm_head):
+    """`distill_head.py --init DIR`: more epochs on new data start from that head, not a fresh one."""
+    llm = LLM(model, max_num_seqs=16, max_model_len=96)
+    prompts = [[(5 * i + 2) % 64, (11 * i) % 64] for i in range(8)]
+    go = lambda init: distill(llm, prompts, samples=1, max_tokens=24, temperature=0.0, epochs=1, lr=1e-4,
+                              batch_tokens=256, log=lambda *a: None, init=init)
+    start = load_head(warm_head, model)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        continued, fresh = go(start), go(None)
+    assert continued is start
+    assert held_out_loss(model, continued) < 0.5 * held_out_loss(model, fresh)
+
+
 def test_head_loss_masks_and_unrolls(model):
     """Positions outside the mask add nothing; the unrolled pass changes the loss (it reads g, not h)."""
     head = DraftHead(model)
