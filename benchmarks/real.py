@@ -176,7 +176,7 @@ def history_rows(engines: dict, acc: dict, drawn: dict, timed: list[int], reps: 
         passes = range(h, h + reps)
         for name, llm in engines.items():
             seconds, tokens = (sum(acc[name, p][i] for p in passes) for i in (0, 1))
-            total = lambda key: sum(acc[name, p][2].get(key, 0) for p in passes)    # engine counters (absent: 0)
+            total = lambda key: sum(acc[name, p][2][key] for p in passes)           # engine counters
             # median of per-pass ratios: both sides of a ratio ran minutes apart at most, so the box's
             # drift between passes cancels (a ratio of sums would carry it); their sd: one pass's noise
             ratios = [rate(name, p) / rate("AR", p) for p in passes]

@@ -684,3 +684,12 @@ def test_prefix_cache_recomputes_only_the_last_token(models):
     assert on.stats["prefill_tokens"] == 96 + 7 and off.stats["prefill_tokens"] == 8 * 96
     assert [o.token_ids for o in outs[0]] == [o.token_ids for o in outs[1]]
     assert [x for o in outs[0] for x in o.logprobs] == pytest.approx([x for o in outs[1] for x in o.logprobs], abs=1e-5)
+
+
+def test_every_counter_is_reported_before_it_counts(models):
+    """A speculative engine that never verified a draft still reports its counters (as 0): the rollout
+    worker and the benches sum them over ranks and passes by name."""
+    from nanospec.engine.llm import COUNTERS
+    llm = LLM(models["llama"], max_model_len=64, speculative={"method": "ngram", "num_draft_tokens": 2})
+    s = llm.summary()
+    assert all(s[k] == 0 for k in COUNTERS)

@@ -504,7 +504,7 @@ class LLM:
             self.controller.observe_acceptance(source, proposed, accepted, confidence)
 
     def reset_stats(self) -> None:
-        self.stats = defaultdict(int)
+        self.stats = defaultdict(int, dict.fromkeys(COUNTERS, 0))   # every counter present, 0 until counted
         self.stats["per_drafter"] = defaultdict(lambda: defaultdict(int))
 
     def summary(self) -> dict:
@@ -553,6 +553,11 @@ class LLM:
     @property
     def num_free_blocks(self) -> int:
         return self.blocks.num_free
+
+
+# the engine's counters (`LLM.stats`): summed over ranks by the rollout worker, derived by `summarize`
+COUNTERS = ("target_forwards", "seq_forwards", "generated_tokens", "prefill_tokens", "verify_steps",
+            "proposed_tokens", "accepted_tokens", "drafting_steps")
 
 
 def summarize(stats: dict, lossy: bool) -> dict:

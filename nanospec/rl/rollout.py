@@ -242,7 +242,7 @@ class RolloutWorker:
         m.update(rank_busy_time=busy, rank_bubble_time=[r["bubble"] for r in ranks],
                  rank_bubble_draft_time=[r["draft_time"] for r in ranks], rank_bubble_draft_tokens=bub_tokens,
                  rank_bubble_train_time=[r["train_time"] for r in ranks],
-                 rank_predicted_work=work, time_rollout=wall, tokens_per_s=merged.get("generated_tokens", 0) / max(wall, 1e-9),
+                 rank_predicted_work=work, time_rollout=wall, tokens_per_s=merged["generated_tokens"] / max(wall, 1e-9),
                  rollout_imbalance=imbalance(busy), predicted_imbalance=imbalance(work),
                  bubble_draft_tokens=sum(bub_tokens), bubble_draft_accepted=accepted,
                  bubble_draft_proposed=per["bubble"]["proposed"] if "bubble" in per else 0,
@@ -266,18 +266,15 @@ class RolloutWorker:
                    prompt_lens=[len(self.prompt_ids(p)) for p in problems],
                    prompt_rank=[rank_of[i] for i in range(len(problems))])
         for k in ("seq_forwards", "generated_tokens", "verify_steps", "proposed_tokens", "accepted_tokens"):
-            out[f"rank_{k}"] = [r["stats"].get(k, 0) for r in ranks]
-        out["rank_spec_on_frac"] = [r["stats"].get("drafting_steps", 0) / max(r["stats"].get("target_forwards", 0), 1)
+            out[f"rank_{k}"] = [r["stats"][k] for r in ranks]
+        out["rank_spec_on_frac"] = [r["stats"]["drafting_steps"] / max(r["stats"]["target_forwards"], 1)
                                     for r in ranks]                   # a rank may have had no prompt
         return out
 
     def _merged_stats(self, ranks: list[dict]) -> tuple[dict, dict, dict]:
         """Engine counters summed over ranks (per drafter too) -> (metrics, sums, per-drafter sums)."""
         merged, per = defaultdict(int), defaultdict(lambda: defaultdict(int))
-        for k in ("target_forwards", "seq_forwards", "generated_tokens", "prefill_tokens", "verify_steps",
-                  "proposed_tokens", "accepted_tokens", "drafting_steps"):
-            merged[k] += 0                      # present (as 0) even in a step without drafts
-        for r in ranks:
+        for r in ranks:                         # (every counter is in every rank's stats: LLM.reset_stats)
             for k, v in r["stats"].items():
                 if k != "per_drafter":
                     merged[k] += v
