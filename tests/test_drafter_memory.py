@@ -113,18 +113,38 @@ def test_prior_store_stays_under_its_cap():
 
 def test_suffix_total_cap_drops_least_recently_used_idle_tries():
     d = SuffixDrafter(depth=4, use_global=False, max_nodes=400, max_total_nodes=1000)
+    def observe_and_read(key, resp):                   # a sibling's draft inserts what observe() held back
+        d.observe(mkseq([1, 2], resp, key=key))
+        d.tree(mkseq([1, 2], key=key))
+
     for key in "abc":
-        d.observe(mkseq([1, 2], [ord(key) * 1000 + t for t in range(80)], key=key))
+        observe_and_read(key, [ord(key) * 1000 + t for t in range(80)])
     running = mkseq([1, 2], [5, 6], key="a", idx=1)
     d.propose([running], [2])                          # a is in use: the least recently used is b
-    d.observe(mkseq([1, 2], list(range(80)), key="d"))
+    observe_and_read("d", list(range(80)))
     assert "b" not in d._trees and {"a", "d"} <= set(d._trees)
     assert d._nodes == sum(t.size for t in d._trees.values()) <= 1000
     for key in "efgh":                                 # a text grows in a: never dropped while it does
-        d.observe(mkseq([1, 2], [ord(key) * 1000 + t for t in range(80)], key=key))
+        observe_and_read(key, [ord(key) * 1000 + t for t in range(80)])
         assert d._trees["a"].live == 1 and d._nodes <= 1000
     d.free(running)
     assert d._nodes == sum(t.size for t in d._trees.values())
+
+
+def test_suffix_history_nobody_reads_is_not_inserted_and_stays_bounded():
+    """A finished text waits until a draft reads its trie: one that ages out unread costs no insertion
+    (the idle cost of speculation, issue 49). A flood with no reads and no next_step is inserted once
+    it passes max_total_nodes / depth tokens, so the caps still bound memory."""
+    d = SuffixDrafter(depth=4, max_nodes=400, global_max_nodes=400, max_total_nodes=1000, window=1)
+    d.observe(mkseq([1, 2], list(range(3, 40)), key="a"))
+    assert d._nodes == 0 and d._trees["a"].todo and d._global.todo
+    d.next_step()                                      # aged out unread: gone, never inserted
+    assert "a" not in d._trees and not d._global.todo and d._nodes == 0
+    for i in range(100):                               # 100 x 80 tokens, nobody reads
+        d.observe(mkseq([1, 2], [1000 * i + t for t in range(80)], key=i))
+        held = sum(len(t) for tr in [*d._trees.values(), d._global] for _, t in tr.todo)
+        assert d._nodes <= 1000 and held * d.depth <= 2 * 1000
+    assert d._nodes == sum(t.size for t in d._trees.values()) + d._global.size
 
 
 def test_suffix_running_texts_stop_growing_at_the_total_cap():

@@ -160,7 +160,7 @@ def test_suffix_memory_bound_and_removal_exact():
     running = mkseq(prompt, [], key="q")
     for _ in range(30):
         d.observe(mkseq(prompt, [rng.randrange(6) for _ in range(rng.randrange(3, 15))], key="q"))
-        tree = d._trees["q"]
+        tree = d.tree(running)                                # (inserts what observe() held back)
         assert tree.size <= 120
         got = {p: n.count for p, n in trie_paths(tree).items()}
         want = {p: n.count for p, n in trie_paths(_fresh(5, [prompt] + [t for _, t in tree.texts])).items()}

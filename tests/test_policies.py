@@ -626,3 +626,21 @@ def test_profile_shapes_fit_the_pool_and_keep_the_full_grid_when_it_fits():
             assert B <= seqs and B * -(-(C + Q) // bs) <= blocks, (blocks, bs, B, C, Q)
     # 40 blocks of 16: 32 rows hold one block each, so B = 32 is timed at the longest context that fits
     assert [(B, C) for B, C, Q in profile_shapes(32, 4096, 40, 16, (1, 4, 8)) if B == 32] == [(32, 8)] * 3
+
+
+def test_a_confident_source_that_rarely_drafts_is_asked_only_while_that_pays():
+    """Asking a suffix trie costs its propose() on every row asked (the row's text grows in the trie),
+    and on text it has never seen it drafts for a few rows. Priced at its drafts' claims alone it was
+    asked on every row of every step (issue 49: 0.79x AR on a random model); priced by the share of
+    asked rows it drafts for, it is soon asked only on probe rows."""
+    ctrl = controller(coef=[1, 0, 0.02, 0, 0, 0], confident_sources=["d"], draft_time=0.02)
+    rows = [Row(temperature=1.0) for _ in range(64)]
+    asked = []
+    for _ in range(40):
+        ks = ctrl.budgets(rows, 4)
+        asked.append(sum(k > 0 for k in ks))
+        drafts = [[1, 2, 3, 4] if k and i < 2 else [] for i, k in enumerate(ks)]     # 2 rows of 64
+        ctrl.clip(Proposal(drafts, sources=["d" if t else "" for t in drafts],
+                           confidence=[[0.99] * 4 if t else None for t in drafts]), ks, rows)
+        ctrl.observe_forward(rows, [[0]] * 64, 1.0)
+    assert asked[0] == 64 and max(asked[-30:]) <= ctrl.probe_rows

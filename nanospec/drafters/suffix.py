@@ -31,6 +31,14 @@ stays >= min_prob.
   kept on insert and recomputed when a removal lowers it, so a draft token is one attribute read.
 * History: `next_step()` (once per GRPO step) evicts responses older than `window` steps and the
   tries of prompts idle that long.
+* Lazy history: a finished text that was not already growing in its trie (a sample that never
+  drafted) waits in `todo`, and a new trie's prompt in `prompt`, until a draft reads that trie (the
+  global trie: until one reads it). Inserting is O(D) node visits per token in Python, the cost of
+  speculation on steps that do not draft (issue 49); a response that ages out unread, as most do when
+  each prompt comes back only every ~20 GRPO steps, is never inserted. A read sees the counts that
+  inserting at once would have left, built in the same order; two things can differ: after a text
+  aged out unread, a draft may follow another of two equal-count children (an insert and a removal
+  can move `best` on a tie), and under `max_total_nodes` other texts may be dropped.
 * Memory: a node costs ~105 bytes (measured, CPython 3.11), so `max_total_nodes` (4M: ~420 MiB)
   caps all tries together, the global one included; `max_nodes` caps one prompt's trie and
   `global_max_nodes` the global trie. What goes when a cap is hit, first to last:
@@ -98,6 +106,11 @@ class _Trie:
         self.tail: list[int] = []                            # prompt[-(D-1):] (per-prompt tries)
         self.last_used = 0
         self.live = 0                                        # running texts being extended in it
+        self.prompt: list[int] | None = None                 # a new trie's prompt, not inserted yet
+        self.todo: deque[tuple[int, list[int]]] = deque()    # observed texts not inserted yet: newer than texts
+
+    def __setstate__(self, state: dict) -> None:    # pickled before the lazy history: nothing held back
+        self.__dict__.update(dict(prompt=None, todo=deque()), **state)
 
     def insert(self, text: list[int], max_size: int | None = None) -> None:
         """Suffixes last-first, so the node for s[1:] (s's suffix link) exists when s is created.
@@ -231,7 +244,7 @@ class SuffixDrafter(Drafter):
     name = "suffix"
     confident = True      # a draft token's confidence: its estimated probability after the path before it
     # class defaults for a drafter unpickled from before the total cap (suffix_mlp's is pickled whole)
-    max_total_nodes, _nodes = 4_000_000, 0
+    max_total_nodes, _nodes, _held = 4_000_000, 0, 0
 
     def __init__(self, depth: int = 12, window: int = 2, min_prob: float = 0.1, alpha: float = 4.0,
                  max_nodes: int = 100_000, use_global: bool = True, global_max_nodes: int = 500_000,
@@ -255,23 +268,65 @@ class SuffixDrafter(Drafter):
         self.shrink, self.max_total_nodes = shrink, max_total_nodes
         self.step = 0
         self._nodes = 0                                        # in all tries: the global one too
+        self._held = 0                                         # tokens held back (todo, prompt): at most
         self._trees: dict = {}                                 # prompt_key -> _Trie, least recently used first
         self._global = _Trie(global_depth) if use_global else None
         self._live: dict[int, _Live] = {}                      # seq_id -> its text in its prompt's trie
         self._match: dict[int, dict[str, tuple]] = {}          # seq_id -> slot -> (trie, version, len, node)
 
     def tree(self, seq: Sequence) -> _Trie:
-        """The trie of seq's prompt (made from the prompt on first use), now the most recently used."""
+        """The trie of seq's prompt, ready to read (what observe() left in todo inserted), now the most
+        recently used."""
+        tree = self._touch(seq)
+        self._flush(tree)
+        return tree
+
+    def _touch(self, seq: Sequence) -> _Trie:
+        """The trie of seq's prompt (new: empty, its prompt still to insert), now the most recently used."""
         tree = self._trees.pop(seq.prompt_key, None)    # re-inserted last: _trees stays in LRU order
         if tree is None:
-            tree, prompt = _Trie(self.depth), seq.prompt_token_ids
-            self._shrink(min(self.max_nodes, len(prompt) * self.depth))    # room for the prompt's substrings
-            tree.insert(prompt, min(self.max_nodes, self.max_total_nodes - self._nodes))
-            tree.tail = prompt[-(self.depth - 1):]
-            self._nodes += tree.size
+            tree = _Trie(self.depth)
+            tree.prompt, tree.tail = seq.prompt_token_ids, seq.prompt_token_ids[-(self.depth - 1):]
+            self._hold(len(tree.prompt))
         self._trees[seq.prompt_key] = tree
         tree.last_used = self.step
         return tree
+
+    def _flush(self, trie: _Trie) -> None:
+        """Insert what a prompt trie holds back (the docstring's lazy history), in the order it came."""
+        if trie.prompt is not None:
+            prompt, trie.prompt = trie.prompt, None
+            self._shrink(min(self.max_nodes, len(prompt) * self.depth), trie)   # room for its substrings
+            size = trie.size
+            trie.insert(prompt, min(self.max_nodes, self.max_total_nodes - self._nodes))
+            self._nodes += trie.size - size
+        while trie.todo:
+            self._add(trie, *trie.todo.popleft(), self.max_nodes)
+            self._room(trie, 0)
+
+    def _read_global(self, tree: _Trie | None) -> _Trie:
+        """The global trie, ready to read, for a draft in `tree` (which the total cap keeps)."""
+        while self._global.todo:
+            self._add(self._global, *self._global.todo.popleft(), self.global_max_nodes)
+            self._room(tree, 0) if tree is not None else self._shrink(0)
+        return self._global
+
+    def _hold(self, n: int) -> None:
+        """n more tokens held back. Past max_total_nodes / depth of them (a flood no draft reads, and no
+        next_step to age it out) they are all inserted, so that the caps bound memory as they did."""
+        self._held += n
+        if self._held * self.depth <= self.max_total_nodes:
+            return
+        tries = list(self._trees.values()) + ([self._global] if self._global is not None else [])
+        self._held = sum(len(t) for trie in tries for _, t in trie.todo) + \
+            sum(len(trie.prompt) for trie in tries if trie.prompt is not None)   # the exact count
+        if self._held * self.depth > self.max_total_nodes:
+            for key, trie in list(self._trees.items()):
+                if self._trees.get(key) is trie:       # (a flush may drop other tries: the total cap)
+                    self._flush(trie)
+            if self._global is not None:
+                self._read_global(None)
+            self._held = 0
 
     def _shrink(self, need: int, keep: _Trie | None = None) -> None:
         """Room for `need` more nodes under max_total_nodes: drop whole prompt tries, least recently
@@ -308,9 +363,11 @@ class SuffixDrafter(Drafter):
     def _evict(self, trie: _Trie, max_nodes: int) -> None:
         while trie.texts and (self.step - trie.texts[0][0] >= self.window or trie.size > max_nodes):
             self._pop(trie)
+        while trie.todo and not trie.texts and self.step - trie.todo[0][0] >= self.window:
+            trie.todo.popleft()             # aged out unread: never inserted
 
-    def _add(self, trie: _Trie, text: list[int], max_nodes: int) -> None:
-        trie.texts.append((self.step, text))
+    def _add(self, trie: _Trie, step: int, text: list[int], max_nodes: int) -> None:
+        trie.texts.append((step, text))
         size = trie.size
         trie.insert(text)
         self._nodes += trie.size - size
@@ -348,26 +405,29 @@ class SuffixDrafter(Drafter):
         return tree, st.end
 
     def observe(self, seq: Sequence) -> None:
-        tree, resp = self.tree(seq), seq.completion_token_ids
+        tree, resp = self._touch(seq), seq.completion_token_ids
         st = self._live.pop(seq.seq_id, None)
         if st is not None:              # already in the trie: catch up, then it is history
+            self._flush(tree)           # (after the texts observed before it)
             if st.end is not None:
                 self._grow(st, seq.token_ids[st.n:], capped=False)
-            st.trie.live -= 1
-            st.trie.texts.append((self.step, st.text))
-            self._evict(st.trie, self.max_nodes)
-        elif resp:
-            self._add(tree, tree.tail + resp, self.max_nodes)
+            tree.live -= 1
+            tree.texts.append((self.step, st.text))
+            self._evict(tree, self.max_nodes)
+            self._room(tree, 0)
+        elif resp:                      # inserted when a draft next reads this trie, if one does
+            tree.todo.append((self.step, tree.tail + resp))
+            self._hold(len(tree.tail) + len(resp))
         if self._global is not None and resp:
-            self._add(self._global, resp, self.global_max_nodes)
-        self._room(tree, 0)
+            self._global.todo.append((self.step, resp))
+            self._hold(len(resp))
 
     def next_step(self) -> None:
         """One GRPO step passed: evict responses older than `window` steps and idle prompts' tries."""
         self.step += 1
         for key, tree in list(self._trees.items()):
             self._evict(tree, self.max_nodes)
-            if not tree.texts and not tree.live and self.step - tree.last_used >= self.window:
+            if not tree.texts and not tree.todo and not tree.live and self.step - tree.last_used >= self.window:
                 del self._trees[key]
         if self._global is not None:
             self._evict(self._global, self.global_max_nodes)
@@ -403,8 +463,9 @@ class SuffixDrafter(Drafter):
         tree, node = self._context(seq)
         out, conf, score = tree.draft(node, k, self.alpha, self.min_prob, self.shrink)
         if self._global is not None and len(out) < k:
-            g_out, g_conf, g_score = self._global.draft(self._match_node(seq, "global", self._global), k,
-                                                        self.alpha, self.min_prob, self.shrink)
+            glob = self._read_global(tree)
+            g_out, g_conf, g_score = glob.draft(self._match_node(seq, "global", glob), k, self.alpha,
+                                                self.min_prob, self.shrink)
             if g_score > score:
                 return g_out, g_conf
         return out, conf
@@ -412,6 +473,7 @@ class SuffixDrafter(Drafter):
     def free(self, seq: Sequence) -> None:
         st = self._live.pop(seq.seq_id, None)
         if st is not None:             # left without observe (aborted): its text leaves the trie
+            self._flush(st.trie)       # (after the texts observed before its removal, as eagerly)
             size = st.trie.size
             st.trie.remove(st.text)
             st.trie.live -= 1

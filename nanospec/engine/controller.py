@@ -27,7 +27,8 @@ that a new or rarely seen source is tried, not trusted. The rule: draft the k th
     (V(k) - t_ar) / (T(k) - t_ar)  >=  s      (s = speculation.toggle_min_speedup, the one threshold)
 
 It runs twice per step: before drafting (`budgets`), per source on its rates (a confident source: a
-draft claiming 1), with D: how much to ask each source for (0: do not run it); after (`clip`), on each
+draft claiming 1, its propose() time divided by the share of asked rows it drafts for), with D: how
+much to ask each source for (0: do not run it); after (`clip`), on each
 row's own estimates, D spent: which drafts to verify. The paper policies are its inputs, not separate
 mechanisms: EfficientRollout's system-aware toggle is the k = 0 outcome, its adaptive draft length the
 per-position rates (an untried position is priced like the last measured one, its bound high, so
@@ -73,10 +74,18 @@ def plan_drafts(probs: list[list[float]], worth: list[float], t_ar: float, token
     while their gain beats token_cost x the ratio so far (a ratio's optimum keeps exactly the items
     that beat it: Dinkelbach), per longest draft K where a position costs a forward; kept iff it beats
     verifying only what is spent. -> (k per row, V / T of the plan)."""
+    plain = t_ar / (t_ar + spent)             # verifying only what is already committed
+    T0, K_max = t_ar + spent + (0.0 if spent else verify_overhead) + draft_seconds, max(map(len, probs), default=0)
+    # Two O(B * K) bounds, no sort, answer most steps where the rule declines to draft, as the loop
+    # would: it first tests each K's largest gain against its T (the largest of all failing at the
+    # largest T keeps nothing), and no plan's V / T beats every gain kept over T0 (1e-9: float sums).
+    gains = [w * p / min_speedup for w, row in zip(worth, probs) for p in row]
+    if max(gains, default=0.0) * (T0 + per_forward * K_max) < token_cost * t_ar or \
+            (t_ar + sum(g for g in gains if g > 0)) * (1 + 1e-9) < plain * T0:
+        return [0] * len(probs), plain
     plans = []
-    for K in range(1, max(map(len, probs), default=0) + 1) if per_forward else [None]:
-        V, T, keep = t_ar, t_ar + spent + (0.0 if spent else verify_overhead) + draft_seconds, [0] * len(probs)
-        T += per_forward * (K or 0)
+    for K in range(1, K_max + 1) if per_forward else [None]:
+        V, T, keep = t_ar, T0 + per_forward * (K or 0), [0] * len(probs)
         for g, i in sorted(((w * p / min_speedup, i) for i, (w, row) in enumerate(zip(worth, probs))
                             for p in row[:K]), key=lambda x: -x[0]):
             if g * T < token_cost * V:
@@ -85,7 +94,6 @@ def plan_drafts(probs: list[list[float]], worth: list[float], t_ar: float, token
         if any(keep):
             plans.append((V / T, keep))
     x, keep = max(plans, default=(0.0, None), key=lambda plan: plan[0])
-    plain = t_ar / (t_ar + spent)             # verifying only what is already committed
     return (keep, x) if x >= plain else ([0] * len(probs), plain)
 
 
@@ -210,6 +218,7 @@ class DraftController:
         self._clock = 0                               # engine steps observed (the evidence's decay)
         self._progress = [0.0, 0.0, 0.0]              # decayed: row-steps, sum and sum of squares of drafts
                                                       # accepted (how far apart rows drift: `_begin`)
+        self._asked: dict[str, list[float]] = {}      # confident source -> decayed [rows asked, drafted for]
 
     # ---- the rule -----------------------------------------------------------------------------------
     def _begin(self, seqs, draining: bool = True) -> dict:
@@ -260,8 +269,11 @@ class DraftController:
         for n in dict.fromkeys(self.sources + list(self.acceptance.counts)) or [""]:
             mine = [min(k, self.source_caps.get(n, k)) for k in caps]        # its own num_draft_tokens
             cost = self._draft_cost(st, n, len(seqs), sum(lags) / len(lags))
-            cond = self.acceptance.calibrated(n, [1.0] * max(mine)) if n in self.confident \
-                else self.acceptance.rates(n, max(mine))              # a confident source: a draft claiming 1
+            if n in self.confident:   # a draft claiming 1; its propose() paid on every row asked, per row drafted
+                cond = self.acceptance.calibrated(n, [1.0] * max(mine))
+                cost = (cost[0] / self._yield(n), cost[1])
+            else:
+                cond = self.acceptance.rates(n, max(mine))
             probs = list(itertools.accumulate(cond, operator.mul))
             ks = self._solve(st, [probs[:k] for k in mine], *cost)[0]
             if n in self.confident:   # it rates each draft itself (clip): asked for the cap wherever it pays
@@ -277,6 +289,13 @@ class DraftController:
             out = [max(a, b) for a, b in zip(out, ks)]
         return out
 
+    def _yield(self, source: str) -> float:
+        """The share of the rows a confident source is asked for that it drafts for, shrunk toward 1 (a
+        new source is tried). A suffix trie asked on text it has never seen drafts on few rows, and each
+        ask grows the row's text in the trie: priced at its claims alone, it was asked every step."""
+        asked, drafted = self._asked.get(source, (0.0, 0.0))
+        return (drafted + self.acceptance.m) / (asked + self.acceptance.m)
+
     def _probe(self, st: dict, source: str, seqs, caps: list[int], lags: list[int], gap: list[int]) -> list[int]:
         """An off source's probe rows (k per row), or all 0: see the module docstring."""
         kv, worth = source in self.kv_sources, st["worth"]    # the rows whose tokens are worth the most
@@ -287,6 +306,9 @@ class DraftController:
         k = min(2, *(caps[i] for i in rows))
         any_k, per = self._draft_cost(st, source, len(rows))
         cost = any_k + per * k + st["v"] + st["c"] * k * len(rows)
+        budget = self.probe_fraction * st["left"] / st["B"] * st["t_ar"]    # the bound below at s1 = infinity
+        if cost > budget:        # (1 - 1 / s1) < 1: unaffordable whatever s1, so skip the solve
+            return [0] * len(seqs)
         ones = [[1.0] * k for k in caps]
         keep, s1 = self._solve(st, ones, *self._draft_cost(st, source, len(seqs)))      # acceptance 1
         if not any(keep) or cost > self.probe_fraction * (1 - 1 / s1) * st["left"] / st["B"] * st["t_ar"]:
@@ -333,6 +355,12 @@ class DraftController:
         for i, k in enumerate(keep):
             if k and proposal.sources[i] in self._gap:    # verified on its price: no probe needed yet
                 self._gap[proposal.sources[i]][0] = 0
+        for n in self.confident & st["ks"].keys():     # its yield: rows no other source drafted for
+            asked = [i for i, k in enumerate(st["ks"][n]) if k and proposal.sources[i] in ("", n)]
+            tally = self._asked.setdefault(n, [0.0, 0.0])
+            if asked:                                  # (silence leaves it: it never turns a source on)
+                drafted = sum(bool(proposal.tokens[i]) for i in asked)
+                tally[:] = [0.9 * tally[0] + len(asked), 0.9 * tally[1] + drafted]
         return replace(proposal, tokens=tokens, confidence=proposal.confidence and confidence)
 
     # ---- what the engine reports back ---------------------------------------------------------------

@@ -249,7 +249,7 @@ def flat_loads(data: bytes):
     return Flat(io.BytesIO(root)).load()
 
 
-ENGINE_STATE_VERSION = 9      # 9: the controller keeps no stats (the engine counts them)
+ENGINE_STATE_VERSION = 10     # 10: the controller prices a confident source by its yield
 
 
 def engine_state(llm) -> dict:
