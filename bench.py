@@ -1,4 +1,4 @@
-"""Benchmarks: `python bench.py --suite engine|spec|rollout|gpu|real|assisted|suffix|scale|trl|all`.
+"""Benchmarks: `python bench.py --suite engine|spec|rollout|gpu|real|assisted|suffix|scale|trl|idle|all`.
 
 Each suite measures its variants side by side in one run, prints a table, and writes
 `<out>/<suite>.json` plus `<out>/<suite>.png` (speedup bars). Speed is only ever measured here,
@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-SUITES = ("engine", "spec", "rollout", "gpu", "real", "assisted", "suffix", "scale", "trl")
+SUITES = ("engine", "spec", "rollout", "gpu", "real", "assisted", "suffix", "scale", "trl", "idle")
 ALL = ("engine", "spec", "rollout", "gpu")     # `real` fetches SmolLM2 and runs ~20 min: asked for by name
 
 

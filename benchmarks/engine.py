@@ -12,12 +12,12 @@ import torch
 from nanospec import LLM, SamplingParams
 
 
-def tiny_llama(path: str, vocab: int = 512, hidden: int = 256, layers: int = 4):
+def tiny_llama(path: str, vocab: int = 512, hidden: int = 256, layers: int = 4, seed: int = 0):
     import transformers as tf
     cfg = tf.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 3,
                          num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=4,
                          max_position_embeddings=512, tie_word_embeddings=True)
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = tf.LlamaForCausalLM(cfg).eval()
     model.save_pretrained(path)
     return model
