@@ -113,6 +113,7 @@ def test_prior_store_stays_under_its_cap():
 
 def test_suffix_total_cap_drops_least_recently_used_idle_tries():
     d = SuffixDrafter(depth=4, use_global=False, max_nodes=400, max_total_nodes=1000)
+
     def observe_and_read(key, resp):                   # a sibling's draft inserts what observe() held back
         d.observe(mkseq([1, 2], resp, key=key))
         d.tree(mkseq([1, 2], key=key))
