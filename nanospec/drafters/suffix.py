@@ -308,7 +308,10 @@ class SuffixDrafter(Drafter):
         """The global trie, ready to read, for a draft in `tree` (which the total cap keeps)."""
         while self._global.todo:
             self._add(self._global, *self._global.todo.popleft(), self.global_max_nodes)
-            self._room(tree, 0) if tree is not None else self._shrink(0)
+            if tree is not None:
+                self._room(tree, 0)
+            else:
+                self._shrink(0)
         return self._global
 
     def _hold(self, n: int) -> None:

@@ -79,15 +79,15 @@ def plan_drafts(probs: list[list[float]], worth: list[float], t_ar: float, token
     # Two O(B * K) bounds, no sort, answer most steps where the rule declines to draft, as the loop
     # would: it first tests each K's largest gain against its T (the largest of all failing at the
     # largest T keeps nothing), and no plan's V / T beats every gain kept over T0 (1e-9: float sums).
-    gains = [w * p / min_speedup for w, row in zip(worth, probs) for p in row]
-    if max(gains, default=0.0) * (T0 + per_forward * K_max) < token_cost * t_ar or \
-            (t_ar + sum(g for g in gains if g > 0)) * (1 + 1e-9) < plain * T0:
+    # gains: (worth * p / s, row i, position j), in the loop's order; the loop takes those with j < K.
+    gains = [(w * p / min_speedup, i, j) for i, (w, row) in enumerate(zip(worth, probs)) for j, p in enumerate(row)]
+    if max((g for g, _, _ in gains), default=0.0) * (T0 + per_forward * K_max) < token_cost * t_ar or \
+            (t_ar + sum(g for g, _, _ in gains if g > 0)) * (1 + 1e-9) < plain * T0:
         return [0] * len(probs), plain
     plans = []
     for K in range(1, K_max + 1) if per_forward else [None]:
         V, T, keep = t_ar, T0 + per_forward * (K or 0), [0] * len(probs)
-        for g, i in sorted(((w * p / min_speedup, i) for i, (w, row) in enumerate(zip(worth, probs))
-                            for p in row[:K]), key=lambda x: -x[0]):
+        for g, i in sorted(((g, i) for g, i, j in gains if K is None or j < K), key=lambda x: -x[0]):
             if g * T < token_cost * V:
                 break
             V, T, keep[i] = V + g, T + token_cost, keep[i] + 1
