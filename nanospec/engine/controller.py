@@ -27,7 +27,7 @@ that a new or rarely seen source is tried, not trusted. The rule: draft the k th
     (V(k) - t_ar) / (T(k) - t_ar)  >=  s      (s = speculation.toggle_min_speedup, the one threshold)
 
 It runs twice per step: before drafting (`budgets`), per source on its rates (a confident source: a
-draft claiming 1, its propose() time divided by the share of asked rows it drafts for), with D: how
+draft claiming 1, propose() time divided by the share of asked rows the drafter drafts for), with D: how
 much to ask each source for (0: do not run it); after (`clip`), on each
 row's own estimates, D spent: which drafts to verify. The paper policies are its inputs, not separate
 mechanisms: EfficientRollout's system-aware toggle is the k = 0 outcome, its adaptive draft length the
@@ -218,7 +218,7 @@ class DraftController:
         self._clock = 0                               # engine steps observed (the evidence's decay)
         self._progress = [0.0, 0.0, 0.0]              # decayed: row-steps, sum and sum of squares of drafts
                                                       # accepted (how far apart rows drift: `_begin`)
-        self._asked: dict[str, list[float]] = {}      # confident source -> decayed [rows asked, drafted for]
+        self._asked = [0.0, 0.0]                      # decayed: rows the drafter was asked for, drafted for
 
     # ---- the rule -----------------------------------------------------------------------------------
     def _begin(self, seqs, draining: bool = True) -> dict:
@@ -271,7 +271,7 @@ class DraftController:
             cost = self._draft_cost(st, n, len(seqs), sum(lags) / len(lags))
             if n in self.confident:   # a draft claiming 1; its propose() paid on every row asked, per row drafted
                 cond = self.acceptance.calibrated(n, [1.0] * max(mine))
-                cost = (cost[0] / self._yield(n), cost[1])
+                cost = (cost[0] / self._yield(), cost[1])
             else:
                 cond = self.acceptance.rates(n, max(mine))
             probs = list(itertools.accumulate(cond, operator.mul))
@@ -289,11 +289,13 @@ class DraftController:
             out = [max(a, b) for a, b in zip(out, ks)]
         return out
 
-    def _yield(self, source: str) -> float:
-        """The share of the rows a confident source is asked for that it drafts for, shrunk toward 1 (a
-        new source is tried). A suffix trie asked on text it has never seen drafts on few rows, and each
-        ask grows the row's text in the trie: priced at its claims alone, it was asked every step."""
-        asked, drafted = self._asked.get(source, (0.0, 0.0))
+    def _yield(self) -> float:
+        """The share of the rows the drafter is asked for that it drafts for, shrunk toward 1 (a new
+        drafter is tried). The drafter's, not a source's: propose() is timed for the whole drafter (a
+        chain), so that is the time a drafted row costs. A suffix trie asked on text it has never seen
+        drafts on few rows, and each ask grows the row's text in the trie: priced at its claims alone,
+        it was asked every step; a chain whose members together draft most rows stays asked."""
+        asked, drafted = self._asked
         return (drafted + self.acceptance.m) / (asked + self.acceptance.m)
 
     def _probe(self, st: dict, source: str, seqs, caps: list[int], lags: list[int], gap: list[int]) -> list[int]:
@@ -355,12 +357,10 @@ class DraftController:
         for i, k in enumerate(keep):
             if k and proposal.sources[i] in self._gap:    # verified on its price: no probe needed yet
                 self._gap[proposal.sources[i]][0] = 0
-        for n in self.confident & st["ks"].keys():     # its yield: rows no other source drafted for
-            asked = [i for i, k in enumerate(st["ks"][n]) if k and proposal.sources[i] in ("", n)]
-            tally = self._asked.setdefault(n, [0.0, 0.0])
-            if asked:                                  # (silence leaves it: it never turns a source on)
-                drafted = sum(bool(proposal.tokens[i]) for i in asked)
-                tally[:] = [0.9 * tally[0] + len(asked), 0.9 * tally[1] + drafted]
+        asked = [i for i, k in enumerate(budgets) if k]   # the drafter's yield (`_yield`); silence leaves
+        if asked:                                          # it: it never turns a source back on
+            drafted = sum(bool(proposal.tokens[i]) for i in asked)
+            self._asked = [0.9 * self._asked[0] + len(asked), 0.9 * self._asked[1] + drafted]
         return replace(proposal, tokens=tokens, confidence=proposal.confidence and confidence)
 
     # ---- what the engine reports back ---------------------------------------------------------------

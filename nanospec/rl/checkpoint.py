@@ -249,7 +249,7 @@ def flat_loads(data: bytes):
     return Flat(io.BytesIO(root)).load()
 
 
-ENGINE_STATE_VERSION = 10     # 10: the controller prices a confident source by its yield
+ENGINE_STATE_VERSION = 11     # 11: the controller prices confident sources by the drafter's yield
 
 
 def engine_state(llm) -> dict:
