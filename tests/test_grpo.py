@@ -100,7 +100,8 @@ def test_two_ranks_match_one_process_with_grad_accumulation(tmp_path):
 
 REQUIRED = ["step", "reward_mean", "reward_std", "accuracy", "frac_reward_zero_std", "response_len_mean",
             "response_len_p50", "response_len_max", "time_rollout", "time_train", "time_weight_sync",
-            "time_step", "rank_busy_time", "rank_train_time", "target_forwards_per_token", "mean_accepted_len",
+            "time_step", "rank_busy_time", "rank_train_time", "rank_time_decode", "rank_time_propose",
+            "rank_time_backward", "rank_time_optimizer", "target_forwards_per_token", "mean_accepted_len",
             "tokens_per_s", "loss", "grad_norm", "kl", "clip_frac", "lr", "mismatch/mean_abs",
             "mismatch/max_abs", "speculative", "lossy"]
 

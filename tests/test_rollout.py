@@ -109,6 +109,8 @@ def test_greedy_all_policies_identical_to_ar(model_dir, tok, reference):
         check_greedy(samples, reference, f"step {step}")
         assert [s.prompt_key for s in samples[::G]] == [batch[i].prompt for i in order]   # whole groups, LPT order
         assert m["rank_busy_time"][0] > 0 and m["step"] == step and 0 <= m["spec_on_frac"] <= 1
+        parts = [m[f"rank_time_{k}"][0] for k in ("prefill", "decode", "propose")]   # where the time went
+        assert min(parts) > 0 and sum(parts) < m["rank_busy_time"][0]
         proposed += m["proposed_tokens"]
         prior_accepted += m.get("drafter/prior/accepted", 0)
         assert not w.llm.scheduler.has_work() and w.llm.num_free_blocks == w.llm.blocks.num_blocks

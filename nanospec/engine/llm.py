@@ -312,6 +312,7 @@ class LLM:
                                 for i in fresh], device=self.device)
             logits = self.model.logits(hidden[torch.tensor(fresh, device=self.device).unsqueeze(1), pos])
             finished = self._verify_and_append([seqs[i] for i in fresh], logits, proposal)
+        self.seconds["prefill"] += time.perf_counter() - t0
         if self.controller is not None:     # a step like any other: it closes what budgets() opened
             self.controller.observe_forward(seqs, tokens, time.perf_counter() - t0, prefill=True)
         return finished
@@ -332,8 +333,11 @@ class LLM:
         self.stats["target_forwards"] += 1
         starts = [len(s) - 1 for s in seqs]
         finished = self._verify_and_append(seqs, logits, proposal, torch.tensor(index, device=self.device))
+        t1 = time.perf_counter()
+        self.seconds["decode"] += t1 - t0
         if self.speculate and self.drafter is not None and self.drafter.wants_hidden:   # a draft head's inputs:
             self.drafter.observe_hidden(seqs, starts, [s.num_computed - a for s, a in zip(seqs, starts)], hidden)
+            self.seconds["propose"] += time.perf_counter() - t1
         if self.controller is not None:
             self.controller.observe_forward(seqs, tokens, time.perf_counter() - t0)
         return finished
@@ -358,8 +362,9 @@ class LLM:
             return empty
         t0 = time.perf_counter()
         proposal = self.drafter.propose(seqs, budgets)
+        seconds = time.perf_counter() - t0
+        self.seconds["propose"] += seconds
         if self.controller is not None:
-            seconds = time.perf_counter() - t0
             proposal = self.controller.clip(proposal, budgets, seqs)
             drafting = [s for s, k in zip(seqs, budgets) if k]
             self.controller.observe_draft_time(seconds, len(drafting), sum(map(len, drafting)) / len(drafting),
@@ -506,6 +511,7 @@ class LLM:
     def reset_stats(self) -> None:
         self.stats = defaultdict(int, dict.fromkeys(COUNTERS, 0))   # every counter present, 0 until counted
         self.stats["per_drafter"] = defaultdict(lambda: defaultdict(int))
+        self.seconds = dict(prefill=0.0, decode=0.0, propose=0.0)  # where a rollout's time went (tools.simulate)
 
     def summary(self) -> dict:
         """Flat derived stats of this engine (see `summarize`)."""

@@ -385,17 +385,22 @@ class Trainer:
         truncated = torch.tensor([s.finish_reason == "length" for s in samples])
         mbs, loss_masks, n_seqs, n_toks, extra = self._micro_batches(samples, adv, truncated)
         kept, losses, norms = {}, [], []    # kept: what the first pass keeps (pi_old, pi_ref, stats)
+        spent = dict(prepare=time.perf_counter() - t0, backward=0.0, optimizer=0.0)   # (tools.simulate)
         for _ in range(g.num_iterations):   # mu passes over the same rollout
             self.opt.zero_grad(set_to_none=True)
+            t = time.perf_counter()
             # 4. loss and backward, micro-batch by micro-batch
             losses.append(self._loss_and_backward(mbs, loss_masks, n_seqs, n_toks, extra, kept))
+            t_backward = time.perf_counter()
             norms.append(self._optimizer_step())            # 5. one optimizer step
+            spent["backward"] += t_backward - t
+            spent["optimizer"] += time.perf_counter() - t_backward
         return dict(rewards=rewards, correct=correct, lengths=lengths, truncated=truncated.tolist(),
                     adv_tokens=[float(a) * n for a, n in zip(adv.tolist(), lengths)],
                     parts={k: [x for x in v if x is not None] for k, v in parts.items()},
                     logps=self._logprob_triples(mbs, kept["old_lp"]), agg=dict(kept["agg"]),
                     entropy_sum=kept["entropy"], loss=sum(losses) / len(losses), grad_norm=norms[-1],
-                    time=time.perf_counter() - t0)
+                    time=time.perf_counter() - t0, spent=spent)
 
     def _loss_and_backward(self, mbs, loss_masks, n_seqs: int, n_toks: int, extra: int, kept: dict) -> float:
         """One pass of GRPO's clipped surrogate (loss.policy_loss) over every micro-batch, gradients
@@ -610,7 +615,8 @@ class Trainer:
         m.update(self._merge(recs), **head, step=self.step, time_weight_sync=t_sync, lr=self.sched.get_last_lr()[0],
                  rank_peak_rss_gib=[r["peak_rss"] for r in recs], rank_train_state_gib=[r["state_gib"] for r in recs],
                  rank_train_time=[r["time"] for r in recs], time_train=max(r["time"] for r in recs),
-                 rank_rollout_time=[r["rollout_time"] for r in recs])
+                 rank_rollout_time=[r["rollout_time"] for r in recs],
+                 **{f"rank_time_{k}": [r["spent"][k] for r in recs] for k in recs[0]["spent"]})
         self.drafter_health(m)
         spec = self.cfg.rollout.speculative
         m["speculative"] = "+".join(s["method"] for s in (spec if isinstance(spec, list) else [spec])) if spec else None

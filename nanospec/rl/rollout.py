@@ -160,7 +160,7 @@ class RolloutWorker:
             while llm.scheduler.has_work():
                 llm.step()
             t_busy = time.perf_counter()
-            stats = _plain_stats(llm.stats)
+            stats, seconds = _plain_stats(llm.stats), dict(llm.seconds)
             signal = dist.DoneSignal()
             signal.arrive()
             drafts, t_draft, t_train = [], 0.0, 0.0
@@ -174,7 +174,7 @@ class RolloutWorker:
             signal.wait()
             t_done = time.perf_counter()
             mine = dict(busy=t_busy - t0, bubble=t_done - t_busy, draft_time=t_draft, train_time=t_train, wall=t_done - t0,
-                        stats=stats, drafts=drafts,
+                        stats=stats, seconds=seconds, drafts=drafts,
                         lengths={i: [s.num_completion_tokens for s in seqs] for i, seqs in groups},
                         forwards={i: [(s.num_forwards, s.num_drafted) for s in seqs] for i, seqs in groups})
             ranks = dist.all_gather_object(mine, self.group)
@@ -267,6 +267,8 @@ class RolloutWorker:
                    prompt_rank=[rank_of[i] for i in range(len(problems))])
         for k in ("seq_forwards", "generated_tokens", "verify_steps", "proposed_tokens", "accepted_tokens"):
             out[f"rank_{k}"] = [r["stats"][k] for r in ranks]
+        for k in ("prefill", "decode", "propose"):    # target forwards (verify included) and drafting
+            out[f"rank_time_{k}"] = [r["seconds"][k] for r in ranks]
         out["rank_spec_on_frac"] = [r["stats"]["drafting_steps"] / max(r["stats"]["target_forwards"], 1)
                                     for r in ranks]                   # a rank may have had no prompt
         return out
