@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from nanospec import LLM, SamplingParams
-from nanospec.config import load_config
+from nanospec.config import load_config, parse_with_overrides
 from nanospec.drafters.head import DraftHead, completion_mask, frequent_tokens, head_loss, load_head
 from nanospec.models.hub import resolve_model
 from nanospec.tasks import format_prompt, task_from_config
@@ -102,8 +102,11 @@ def main(argv=None) -> None:
     ap.add_argument("--draft-vocab", type=int, default=None, help="the N most frequent response tokens (EAGLE-3)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--init", default=None, help="continue from this head (its draft vocabulary) instead of a fresh one")
-    args, overrides = ap.parse_known_args(argv)
-    cfg = load_config(args.config, overrides)
+    args, overrides = parse_with_overrides(ap, argv)     # + --section.key=value on the config, as train.py
+    try:
+        cfg = load_config(args.config, overrides)
+    except (ValueError, FileNotFoundError) as e:
+        ap.error(str(e))
     model = args.model or (resolve_model(cfg.model.path) if cfg.model.path else cfg.sft.out_dir)
     llm = LLM(model, max_num_seqs=64, speculative=None)
     task = task_from_config(cfg.task)

@@ -17,44 +17,9 @@ stops in that step, which writes nothing. A traceback means a bug (NANOSPEC_TRAC
 setup errors too). Under torchrun, torchrun adds its own report of the failed ranks after that line.
 """
 import argparse
-import os
 import sys
 
 USER_ERRORS = (ValueError, FileNotFoundError)   # what the input checks raise
-
-
-def user_error(e: Exception) -> int:
-    """argparse's convention for bad input: one line on stderr, exit status 2.
-
-    Under torchrun every rank validates the same inputs and fails alike, and torchrun SIGTERMs the
-    other ranks as soon as one exits. So no fixed rank can be trusted to print: the first rank to
-    claim a marker file of this launch prints the line, then marks it printed;
-    the others exit only once it is printed, so torchrun's teardown can never cut the line off. A rank
-    that never sees it printed (the printer died) prints its own after 30 s. The marker lives in
-    torchrun's own directory of this attempt, shared by the ranks of this node."""
-    if os.environ.get("NANOSPEC_TRACEBACK"):
-        raise e
-    msg = str(e.args[0]) if isinstance(e, FileNotFoundError) and e.args else str(e)
-    line = f"train.py: error: {msg}"
-    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")    # torchrun: <attempt dir>/<rank>/error.json
-    if error_file is None:                        # one process: nobody to race
-        print(line, file=sys.stderr, flush=True)
-        return 2
-    import time
-    marker = os.path.join(os.path.dirname(os.path.dirname(error_file)), "nanospec_user_error")
-    try:
-        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-    except FileExistsError:                       # another rank prints it: wait until it has
-        deadline = time.monotonic() + 30
-        while not os.path.exists(marker + ".printed"):
-            if time.monotonic() > deadline:
-                print(line, file=sys.stderr, flush=True)
-                break
-            time.sleep(0.01)
-        return 2
-    print(line, file=sys.stderr, flush=True)
-    os.close(os.open(marker + ".printed", os.O_CREAT | os.O_WRONLY))
-    return 2
 
 
 def main(argv=None) -> int:
@@ -69,11 +34,10 @@ def main(argv=None) -> int:
 
     import torch
     from nanospec.rl import dist
-
     try:
         cfg = load_config(args.config, overrides)  # config errors surface before any process group
     except USER_ERRORS as e:
-        return user_error(e)
+        return dist.user_error(e)
     torch.set_num_threads(cfg.run.num_threads)
     dist.init_distributed("nccl" if cfg.rollout.device.startswith("cuda") else "gloo")
     ok = False
@@ -89,14 +53,14 @@ def main(argv=None) -> int:
             warm = prepare_sft_model(cfg, log) if args.sft_only or not cfg.model.path else None
             trainer = None if args.sft_only else Trainer(cfg, log, model_dir=warm)    # build
         except USER_ERRORS as e:
-            return user_error(e)
+            return dist.user_error(e)
         if args.sft_only:
             log(f"[sft] model in {warm}")
         else:
             try:
                 trainer.train()          # train
             except RewardError as e:     # ... but the user's reward functions run in every step
-                return user_error(e)
+                return dist.user_error(e)
         ok = True
     finally:
         dist.cleanup(sync=ok)

@@ -8,6 +8,8 @@ from __future__ import annotations
 import datetime
 import hashlib
 import os
+import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -140,3 +142,36 @@ def all_reduce_grads(params: list, bucket_numel: int = 1 << 24) -> None:
 def hash_seed(*parts) -> int:
     """A stable 63-bit seed from anything printable (Python's hash() is salted per process)."""
     return int.from_bytes(hashlib.blake2b("/".join(map(str, parts)).encode(), digest_size=8).digest(), "big") >> 1
+
+
+def user_error(e: Exception, prog: str = "train.py") -> int:
+    """argparse's convention for bad input: one line on stderr, exit status 2.
+
+    Under torchrun every rank validates the same inputs and fails alike, and torchrun SIGTERMs the
+    other ranks as soon as one exits. So no fixed rank can be trusted to print: the first rank to
+    claim a marker file of this launch prints the line, then marks it printed;
+    the others exit only once it is printed, so torchrun's teardown can never cut the line off. A rank
+    that never sees it printed (the printer died) prints its own after 30 s. The marker lives in
+    torchrun's own directory of this attempt, shared by the ranks of this node."""
+    if os.environ.get("NANOSPEC_TRACEBACK"):
+        raise e
+    msg = str(e.args[0]) if isinstance(e, FileNotFoundError) and e.args else str(e)
+    line = f"{prog}: error: {msg}"
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")    # torchrun: <attempt dir>/<rank>/error.json
+    if error_file is None:                        # one process: nobody to race
+        print(line, file=sys.stderr, flush=True)
+        return 2
+    marker = os.path.join(os.path.dirname(os.path.dirname(error_file)), "nanospec_user_error")
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:                       # another rank prints it: wait until it has
+        deadline = time.monotonic() + 30
+        while not os.path.exists(marker + ".printed"):
+            if time.monotonic() > deadline:
+                print(line, file=sys.stderr, flush=True)
+                break
+            time.sleep(0.01)
+        return 2
+    print(line, file=sys.stderr, flush=True)
+    os.close(os.open(marker + ".printed", os.O_CREAT | os.O_WRONLY))
+    return 2
