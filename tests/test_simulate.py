@@ -50,6 +50,7 @@ def test_drain_matches_hand_computation():
     # steps of 2 rows and 2 of 1 row: 1.3 + 2 * 1.2 + 2 * 1.1
     t, steps = sim.drain(clock(1.0, 0.1), m, sim.Layout(max_seqs=64), [(4, [1, 3, 5])], sim.Spec())
     assert t == pytest.approx(1.3 + 2.4 + 2.2) and [s[2] for s in steps] == [3, 2, 2, 1, 1]
+    assert [s[3] for s in steps] == ["prefill"] + ["decode"] * 4 and not any(s[4] for s in steps)
     # every draft accepted (a = 1, k = 1): 2 tokens per verify -> remaining 2 and 4 take 1 and 2 steps
     spec = sim.Spec(((1.0, 1, 1.0),), on=1.0)
     t, steps = sim.drain(clock(1.0, 0.0, 0.5), m, sim.Layout(max_seqs=64), [(4, [1, 3, 5])], spec)
@@ -144,7 +145,8 @@ def write_run(tmp_path, drop=None, bad_config=False):
                  seq_forwards=200, generated_tokens=335, verify_steps=100, proposed_tokens=400, accepted_tokens=135,
                  **{"drafter/prior/verify_steps": 100, "drafter/prior/proposed": 400, "drafter/prior/accepted": 135},
                  spec_on_frac=0.8, time_rollout=1.0, time_train=0.5, time_weight_sync=0.01, time_step=1.6,
-                 rank_busy_time=[0.8, 1.0], rank_bubble_time=[0.2, 0.0])
+                 rank_busy_time=[0.8, 1.0], rank_bubble_time=[0.2, 0.0], rank_time_prefill=[0.1, 0.1],
+                 rank_time_decode=[0.5, 0.7], rank_time_propose=[0.1, 0.1], rank_time_backward=[0.4, 0.4])
         if drop:
             r.pop(drop)
         steps.append(r)
@@ -166,8 +168,16 @@ def test_cli_on_a_tiny_run(tmp_path, capsys):
     res = json.loads(out.read_text())["runs"][0]
     modes = ("sync", "async", "async, same ranks")
     assert [(r["mode"], r["rollout"]) for r in res["table"]] == [(m, k) for m in modes for k in ("ar", "spec")]
-    assert {v["metric"] for v in res["validation"]} == {"time_rollout", "time_train", "time_weight_sync", "time_step"}
+    assert {v["metric"] for v in res["validation"]} == {"time_rollout", "time_train", "time_weight_sync", "time_step",
+                                                         "rank prefill", "rank decode + host", "rank propose",
+                                                         "rank backward"}
     assert all(math.isfinite(v["error_pct"]) for v in res["validation"])
+    # by part, mean over ranks and steps: the step's host time not in a forward or a draft goes with decode
+    measured = {v["metric"]: v["measured"] for v in res["validation"]}
+    assert measured["rank decode + host"] == pytest.approx(0.6 + (0.9 - 0.8)) and measured["rank propose"] == 0.1
+    sync = res["simulated"]["spec"]["sync"][0]
+    assert sum(sync["rank_time_prefill"]) + sum(sync["rank_time_decode"]) + sum(sync["rank_time_propose"]) \
+        == pytest.approx(sum(sync["rank_busy_time"]))
     assert png.stat().st_size > 0 and "predicted" in capsys.readouterr().out
     # the projection's one command, on a small GSM8K-format file
     data = tmp_path / "gsm.jsonl"

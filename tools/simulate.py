@@ -188,14 +188,19 @@ def train_time(hw: Hardware, m: ModelShape, seqs_per_rank: list[list[tuple[int, 
               (the checkpointed LM-head chunks are recomputed) [+ 2 * matmul_params * S: reference model]
     at train_mfu of peak; then the fp32 gradient ring all-reduce (2 (n-1)/n * 4 * params bytes over one
     direction of the interconnect) and AdamW (reads param, grad, m, v; writes param, m, v: 28 bytes/param)."""
+    n = len(seqs_per_rank)
+    compute = max(train_compute(hw, m, seqs_per_rank, ref_model))
+    allreduce = 2 * (n - 1) / n * 4 * m.params / (hw.interconnect_bw / 2)
+    return compute + allreduce + 28 * m.params / (hw.mem_bw * hw.bw_eff) + hw.train_overhead_s
+
+
+def train_compute(hw: Hardware, m: ModelShape, seqs_per_rank: list[list[tuple[int, int]]], ref_model: bool) -> list:
+    """Each rank's forward + backward seconds (train_time's FLOPs at train_mfu)."""
     def flops(p, L):
         S = p + L
         return ((6 + 2 * ref_model) * m.matmul_params * S + 1.5 * m.attn_flops_per_pair * S * S
                 + 2 * m.vocab * m.hidden * L)
-    n = len(seqs_per_rank)
-    compute = max(sum(flops(p, L) for p, L in seqs) for seqs in seqs_per_rank) / (hw.flops * hw.train_mfu)
-    allreduce = 2 * (n - 1) / n * 4 * m.params / (hw.interconnect_bw / 2)
-    return compute + allreduce + 28 * m.params / (hw.mem_bw * hw.bw_eff) + hw.train_overhead_s
+    return [sum(flops(p, L) for p, L in seqs) / (hw.flops * hw.train_mfu) for seqs in seqs_per_rank]
 
 
 def head_train_time(hw: Hardware, head: ModelShape, st: dict) -> float:
@@ -357,7 +362,8 @@ def drain(hw: Hardware, m: ModelShape, lay: Layout, groups: list, spec: Spec,
     sequence's first token (a replayed row: its tokens per forward). A decode step moves
     every row by its tokens per step (1 for AR; `spec`'s expectation; or, with `rates` [per group:
     [(tokens per decode step, query tokens per step)] per sample], each row's own measured rate);
-    a row is done when its response is. -> (seconds, [(start, seconds, B)] per step)."""
+    a row is done when its response is. -> (seconds, [(start, seconds, B, "prefill" | "decode", of
+    which drafting)] per step)."""
     tp, max_seqs, bs = lay.tp, lay.max_seqs, lay.block_size
     cached = lambda p: min(bs * (p // bs), p - 1)       # prompt tokens a group's later samples reuse
     waiting = deque((p, L, j == 0, rates[g][j] if rates else None)
@@ -371,7 +377,7 @@ def drain(hw: Hardware, m: ModelShape, lay: Layout, groups: list, spec: Spec,
             toks = sum(p if first else p - cached(p) for p, _, first, _ in new) + drafts
             pairs = sum(p * p / 2 if first else (p - cached(p)) * p for p, _, first, _ in new)
             kv = sum(0 if first else cached(p) for p, _, first, _ in new)
-            dt = step_time(hw, m, tp, len(new), toks, kv, pairs, drafts > 0)
+            dt, part, draft = step_time(hw, m, tp, len(new), toks, kv, pairs, drafts > 0), "prefill", 0.0
             rem += [L - (r[0] if r else 1.0) for _, L, _, r in new]
             ctx += [p + 1.0 for p, *_ in new]
             rate += [r for *_, r in new]
@@ -379,16 +385,16 @@ def drain(hw: Hardware, m: ModelShape, lay: Layout, groups: list, spec: Spec,
             B = len(rem)
             if rates:                          # each row at its own measured rate
                 qs, taus, v = [q for _, q in rate], [tau for tau, _ in rate], spec.on
-                dt = (step_time(hw, m, tp, B, sum(qs), sum(ctx), sum(q * (c + q / 2) for q, c in zip(qs, ctx)), v)
-                      + spec.drafting_time(hw, B, sum(ctx) / B, 1.0, v))
+                draft = spec.drafting_time(hw, B, sum(ctx) / B, 1.0, v)
+                dt = step_time(hw, m, tp, B, sum(qs), sum(ctx), sum(q * (c + q / 2) for q, c in zip(qs, ctx)), v) + draft
             else:
                 C = sum(ctx) / B
                 cost = lambda q, v: (step_time(hw, m, tp, B, B * q, B * C, B * q * (C + q / 2), v)
                                      + spec.drafting_time(hw, B, C, q, v))
                 q, tau, v = spec.choose(cost)
-                dt, taus = cost(q, v), [tau] * B
-            rem, ctx = [x - u for x, u in zip(rem, taus)], [c + u for c, u in zip(ctx, taus)]
-        steps.append((t, dt, len(rem)))
+                dt, taus, draft = cost(q, v), [tau] * B, spec.drafting_time(hw, B, C, q, v)
+            part, rem, ctx = "decode", [x - u for x, u in zip(rem, taus)], [c + u for c, u in zip(ctx, taus)]
+        steps.append((t, dt, len(rem), part, draft))
         t += dt
         keep = [i for i, x in enumerate(rem) if x > 1e-9]
         rem, ctx, rate = [rem[i] for i in keep], [ctx[i] for i in keep], [rate[i] for i in keep]
@@ -499,9 +505,14 @@ def simulate(trace: list[dict], hw: Hardware, m: ModelShape, lay: Layout, spec_m
         share = [[(p, L) for (p, ls), r in zip(st["groups"], rank_of(st, dp)) if r == k for L in ls] for k in range(dp)]
         T, S = train_time(hw, m, share, ref_model) / lay.tp, weight_sync_time(hw, m, colocated=True)
         H = head_train_time(hw, st["spec"].head, st) if spec_mode == "spec" and st["spec"].head else 0.0
+        part = lambda f: [sum(f(x) for x in steps) for steps in ro["steps"]]    # per rank
         sync.append(dict(step=st["step"], time_rollout=ro["time"], time_train=T, time_weight_sync=S,
                          time_head=H, time_step=ro["time"] + T + S + H, rank_busy_time=ro["busy"],
-                         rank_bubble_time=ro["bubble"], engine_steps=ro["steps"]))
+                         rank_bubble_time=ro["bubble"], engine_steps=ro["steps"],
+                         rank_time_prefill=part(lambda x: x[1] * (x[3] == "prefill")),
+                         rank_time_decode=part(lambda x: (x[1] - x[4]) * (x[3] == "decode")),
+                         rank_time_propose=part(lambda x: x[4]),
+                         rank_time_backward=train_compute(hw, m, share, ref_model)))
     keys = ("time_rollout", "time_train", "time_weight_sync", "time_head", "time_step")
     out = dict(sync=sync, sync_mean={k: _mean([s[k] for s in sync]) for k in keys})
     if dp > 1:
@@ -842,6 +853,19 @@ def validate(label: str, trace: list[dict], res: dict) -> list[dict]:
         if meas:
             pred = res["spec"]["async_shared" if off else "sync_mean"][key]
             out.append(dict(run=label, metric=key, measured=meas, predicted=pred, error_pct=100 * (pred - meas) / meas))
+    # by part, mean over ranks (runs that recorded them): engine forwards (decode: verify and the step's
+    # host work), drafting, the trainer's forward + backward; `other` has no predicted counterpart
+    rank_mean = lambda r, k: _mean(r.get(k) or [None])
+    other = lambda r: (rank_mean(r, "rank_busy_time") - sum(rank_mean(r, f"rank_time_{k}")
+                                                           for k in ("prefill", "decode", "propose")))
+    for key in ("prefill", "decode", "propose", "backward") if not off else ():
+        meas = _mean([rank_mean(st["measured"], f"rank_time_{key}") for st in trace])
+        if meas:
+            if key == "decode":      # the simulator's decode step holds all of a step's host time
+                meas += _mean([other(st["measured"]) for st in trace])
+            pred = _mean([rank_mean(s, f"rank_time_{key}") for s in res["spec"]["sync"]])
+            out.append(dict(run=label, metric=f"rank {key}" + (" + host" if key == "decode" else ""),
+                            measured=meas, predicted=pred, error_pct=100 * (pred - meas) / meas))
     return out
 
 
