@@ -15,7 +15,7 @@ import torch
 from conftest import ARCHS
 from nanospec.engine import sampler
 from nanospec.engine.llm import LLM
-from nanospec.models import decoder
+from nanospec.engine import cpu_linear
 from nanospec.models.loader import load_model, save_model
 from nanospec.engine.runner import Runner
 from nanospec.engine.sampler import SamplingTensors
@@ -661,7 +661,7 @@ def test_sleep_frees_the_kv_pool_and_wake_up_restores_it(models):
     llm = LLM(models["llama"], block_size=4, max_model_len=64)
     before = llm.generate(prompts, GREEDY, use_tqdm=False)
     packed = lambda: sum("_pack" in m.__dict__ for m in llm.model.modules())
-    assert packed() > 0 or not decoder.PACK
+    assert packed() > 0 or not cpu_linear.PACK
     llm.sleep()
     assert llm.runner.cache is None and not llm.blocks.hash_to_block and packed() == 0
     with pytest.raises(RuntimeError, match="asleep"):

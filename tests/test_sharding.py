@@ -202,7 +202,7 @@ def test_engine_weights_sleep_and_gathered_sync(tmp_path, world_one):
     from torch.distributed.tensor import DTensor
     from test_grpo import tiny_cfg
     from nanospec import SamplingParams
-    from nanospec.models.decoder import Linear
+    from nanospec.engine.cpu_linear import PackedLinear as Linear
     from nanospec.rl.grpo import Trainer
     cfg = tiny_cfg(tmp_path, run__sharding="fsdp", rollout__sleep_level=2,
                    rollout__speculative={"method": "self_nf4", "num_draft_tokens": 4})

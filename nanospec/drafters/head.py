@@ -40,7 +40,7 @@ from torch import nn
 from nanospec.drafters.base import DraftTarget, Proposal
 from nanospec.drafters.model_drafter import ModelDrafter
 from nanospec.engine.sequence import Sequence
-from nanospec.models.decoder import CausalLM, DecoderLayer, Linear, ModelArgs, RMSNorm
+from nanospec.models.decoder import CausalLM, DecoderLayer, ModelArgs, RMSNorm
 
 SHAPE_KEYS = ("arch", "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim")
 REG_WEIGHT = 0.1     # feature regression beside the KL (EAGLE weighs its two losses 1 : 0.1 the other way)
@@ -54,7 +54,7 @@ class DraftHead(CausalLM):
     def __init__(self, target: CausalLM, draft_vocab: torch.Tensor | None = None):
         nn.Module.__init__(self)
         a = self.args = replace(target.args, num_layers=1)
-        self.fc = Linear(2 * a.hidden_size, a.hidden_size, bias=True)
+        self.fc = nn.Linear(2 * a.hidden_size, a.hidden_size, bias=True)
         self.model = nn.Module()
         self.model.layers = nn.ModuleList([DecoderLayer(a, 0)])
         self.model.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)

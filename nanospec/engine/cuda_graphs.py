@@ -9,7 +9,7 @@ step is such a small launch-bound forward (`bench.py --suite gpu` measures it; d
 How:
 * Batch-size buckets 1, 2, 4, ... up to max_num_seqs (max_num_seqs itself is the last bucket). A step
   with B sequences replays the graph of the smallest bucket >= B; rows B.. are padding: token 0 at
-  position 0, written to the null block and reading only null-block keys (decoder.PagedKV), so padding
+  position 0, written to the null block and reading only null-block keys (paged_attention.PagedKV), so padding
   never touches a real sequence's KV.
 * One graph per (bucket, Q), Q = new tokens per sequence: 1 for decode, k+1 for a verify with k drafts
   (ragged rows pad to Q like Runner). `capture(qs)` captures each Q for every bucket, largest first,
@@ -35,8 +35,9 @@ import bisect
 
 import torch
 
-from nanospec.models.decoder import CausalLM, PagedKV
+from nanospec.engine.paged_attention import PagedKV
 from nanospec.engine.runner import Runner
+from nanospec.models.decoder import CausalLM
 from nanospec.engine.sequence import Sequence
 
 

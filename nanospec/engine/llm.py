@@ -31,7 +31,8 @@ from nanospec.drafters.base import Drafter, DraftTarget, Proposal
 from nanospec.drafters.chain import members
 from nanospec.models.hub import resolve_model
 from nanospec.models.loader import chat_prompt_ids, load_model, resolve_dtype
-from nanospec.models.decoder import CausalLM, Linear, drop_packed_weights
+from nanospec.models.decoder import CausalLM
+from nanospec.engine.cpu_linear import PackedLinear, drop_packed_weights
 from nanospec.engine.runner import Runner
 from nanospec.engine.sampler import SamplingTensors
 from nanospec.engine.scheduler import Scheduler
@@ -463,7 +464,7 @@ class LLM:
         storage shrinks to 0 bytes, the tensors stay (so drafters' and modules' references hold), and
         `wake_up` re-allocates them uninitialised; `load_weights` must fill them before any request. From
         then on (CPU fp32) each decoder layer's weight is freed once its prepacked copy is built
-        (`decoder.Linear.keep_weight`): the engine holds one copy of its weights, not two, and
+        (`cpu_linear.PackedLinear.keep_weight`): the engine holds one copy of its weights, not two, and
         `load_weights` restores what it writes."""
         if self.scheduler.has_work():
             raise RuntimeError("sleep: requests are still running; finish or abort them first")
@@ -473,7 +474,7 @@ class LLM:
         drop_packed_weights(self.model)
         if level == 2 and not self._asleep:
             for m in self.model.model.layers.modules():
-                if isinstance(m, Linear):
+                if isinstance(m, PackedLinear):
                     m.keep_weight = False
             storages = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in self.model.state_dict().values()}
             self._asleep = [(st, st.nbytes()) for st in storages.values()]

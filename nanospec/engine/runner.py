@@ -2,7 +2,7 @@
 
 Every engine step is the same call: sequence b feeds `tokens[b]` (a prefill chunk, its last token, or
 its last token + k drafts) at positions starts[b], starts[b]+1, ... The batch is padded to [B, Q];
-padding writes to the null block and is never read back (see decoder.PagedKV).
+padding writes to the null block and is never read back (see paged_attention.PagedKV).
 A drafter with its own KV (self-drafter, draft model) owns a second Runner over the same block
 tables: same slots, its own cache tensor.
 """
@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import torch
 
-from nanospec.models.decoder import CausalLM, PagedKV
+from nanospec.engine.cpu_linear import prepack_linears
+from nanospec.engine.paged_attention import PagedKV
 from nanospec.engine.sequence import Sequence
+from nanospec.models.decoder import CausalLM
 
 
 class Runner:
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int):
-        self.model = model
+        self.model = prepack_linears(model)      # its CPU decode steps multiply by prepacked weights
         self.block_size = block_size
         self.null_block = num_blocks
         self.cache = model.new_kv_cache(num_blocks, block_size)

@@ -8,11 +8,11 @@ before. Differences between the families are three flags:
     Qwen2 : Llama + bias on q/k/v                         (attention_bias=True)
     Qwen3 : Llama + RMSNorm on each head of q and k       (qk_norm=True, explicit head_dim)
 
-One paged-attention path (write the new K/V, gather each sequence's keys, attend) serves prefill,
-1-token decode and (k+1)-token verify, on a padded batch `[B, Q]` of new tokens per sequence (see
-`PagedKV`); on CPU, steps with few new tokens attend with two batched matmuls instead of SDPA (SMALL_Q).
-Training calls the same model with `kv=None` (plain causal attention over the input), so rollout and
-trainer share every weight; engine steps on CPU multiply by prepacked copies of them (`Linear`).
+A plain model: training calls it with `kv=None` (causal attention over the input). An engine step
+passes a `PagedKV` (engine/paged_attention.py), which the model binds once per forward and every
+attention layer hands its rotated q, k, v to: the paged cache, its kernels and the engine's CPU
+linears (engine/cpu_linear.py) live on the engine's side, so rollout and trainer share every weight
+and the trainer never meets them.
 """
 from __future__ import annotations
 
@@ -92,83 +92,6 @@ class ModelArgs:
         return cfg
 
 
-@dataclass
-class PagedKV:
-    """Where the new tokens' K/V go and which cached positions each sequence attends to.
-
-    The cache of each layer is a flat pool of slots `[num_slots, n_kv, hd]`; slot = block * bs + offset.
-    The last block is a *null block*: padding rows write there and padded keys read from there, so every
-    shape is static given (B, Q, C) — which is what lets a CUDA graph capture this same code.
-    """
-    cache: torch.Tensor          # [L, 2, num_slots, n_kv, hd], head-major storage (CausalLM.new_kv_cache)
-    slot_mapping: torch.Tensor   # [B, Q]  slot of each new token (padding -> null slot)
-    key_slots: torch.Tensor      # [B, C]  slot of key position j of each sequence (j < C)
-    token_index: torch.Tensor | None = None   # [N] flat b * Q + i of the real tokens (None: all B * Q)
-
-
-@dataclass
-class StepKV:
-    """One step's paged cache as every layer's attention reads it (built by CausalLM.forward)."""
-    caches: torch.Tensor                 # [L, 2 Hkv, S, hd]: PagedKV.cache, head-major, K heads then V heads
-    slots: torch.Tensor                  # [N] cache slot of each new token
-    key_slots: torch.Tensor              # [B * C] slot of key position j of each sequence
-    C: int                               # key positions per sequence
-    Q: int                               # query positions per sequence (the padded width)
-    token_index: torch.Tensor | None     # [N] flat b * Q + i of the real tokens (None: all B * Q)
-    groups: list | None = None           # small-Q CPU path: (rows | None for all, width, key slots, bias)
-
-
-class Linear(nn.Linear):
-    """nn.Linear that, under inference_mode on CPU in float32 (the engine's steps), multiplies by a
-    oneDNN-prepacked copy of its weight.
-
-    Why: decode steps are small-M matmuls ([B*(k+1), D] x [D, N]); MKL re-packs the whole weight on
-    every call and may not pick its best kernels for these shapes. oneDNN's prepacked blocked layout
-    (what torch.compile / inductor use for CPU linears) avoids both (`bench.py --suite engine`). Same
-    math, another summation order (float32 rounding apart).
-    Autograd, no_grad (trainer), GPU and other dtypes use F.linear. The copy is rebuilt when the weight
-    changes: (data_ptr, _version) moves on any in-place write (LLM.load_weights) or storage swap.
-    `keep_weight = False` (LLM.sleep level 2: an engine whose weights a trainer refills) frees the weight's
-    storage once packed: the packed copy is then the only one, until LLM.load_weights restores it.
-    """
-    keep_weight = True
-
-    def forward(self, x):
-        w = self.weight
-        if (not PACK or not torch.is_inference_mode_enabled() or not x.is_cpu or w.is_inference()
-                or not w.dtype == x.dtype == torch.float32):   # (inference tensors have no _version)
-            return F.linear(x, w, self.bias)
-        pack = self.__dict__.get("_pack")
-        key, stored = (w.data_ptr(), w._version), w.untyped_storage().nbytes() > 0   # not stored: freed once packed
-        if pack is None or (stored and pack.key != key):
-            if not stored:
-                raise RuntimeError("the engine's weights were freed (LLM.sleep(2)): LLM.load_weights refills them")
-            pack = self.__dict__["_pack"] = _Packed(key, w, torch.ops.mkldnn._reorder_linear_weight(w.detach(), 64))
-            if not self.keep_weight:
-                w.untyped_storage().resize_(0)
-        return torch.ops.mkldnn._linear_pointwise.default(x, pack.weight, self.bias, "none", [], "")
-
-
-class _Packed:
-    """A packed weight + the key it was built for (keeps the source alive so data_ptr is not reused).
-    deepcopy (quantize_policy) gives an empty slot: oneDNN's opaque tensors cannot be copied."""
-    def __init__(self, key, source, weight):
-        self.key, self.source, self.weight = key, source, weight
-
-    def __deepcopy__(self, memo):
-        return None
-
-
-PACK = torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
-
-
-def drop_packed_weights(model: nn.Module) -> None:
-    """Free the prepacked copies (rebuilt on the next engine step). LLM.sleep calls it: a trainer that
-    updates the weights the engine shares then holds one copy of them through its backward."""
-    for m in model.modules():
-        m.__dict__.pop("_pack", None)
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -202,26 +125,6 @@ def rope(x, cos, sin):
     return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
 
-def attention_mask(positions, C: int, fused_shape: tuple | None, dtype=torch.float32):
-    """Key j is visible to a query at position p iff j <= p: causal within the new tokens, the whole
-    cached prefix. Padded queries (position 0) see key 0 only: finite, ignored.
-    -> bool [B, 1, Q, C] for SDPA, or (fused_shape = (n_kv, groups)) an additive 0/-inf bias laid out
-    like the fused decode scores [n_kv * B, groups * Q, C], built once and shared by every layer."""
-    keep = torch.arange(C, device=positions.device) <= positions[:, :, None]              # [B, Q, C]
-    if fused_shape is None:
-        return keep.unsqueeze(1)
-    Hkv, G = fused_shape
-    B, Q = positions.shape
-    bias = torch.where(keep, 0.0, float("-inf")).to(dtype)                                  # [B, Q, C]
-    return bias[None, :, None].expand(Hkv, B, G, Q, C).reshape(Hkv * B, G * Q, C)
-
-
-# Decode / verify steps on CPU (Q new tokens per sequence, Q <= this) run attention as two batched
-# matmuls over the gathered keys instead of SDPA: for a handful of queries SDPA's flash kernel costs
-# more than the math here (fixed per-call overhead). Prefill and GPU keep SDPA (memory-efficient).
-SMALL_Q = 16
-
-
 class Attention(nn.Module):
     def __init__(self, a: ModelArgs, layer: int):
         super().__init__()
@@ -229,19 +132,19 @@ class Attention(nn.Module):
         if a.num_heads % a.num_kv_heads:
             raise ValueError(f"num_heads {a.num_heads} must be a multiple of num_kv_heads {a.num_kv_heads}")
         # fused q|k|v projection (as vLLM's qkv_proj): one matmul; loader.py maps HF's q/k/v_proj
-        self.qkv_proj = Linear(a.hidden_size, (a.num_heads + 2 * a.num_kv_heads) * a.head_dim,
+        self.qkv_proj = nn.Linear(a.hidden_size, (a.num_heads + 2 * a.num_kv_heads) * a.head_dim,
                                   bias=a.attention_bias)
-        self.o_proj = Linear(a.num_heads * a.head_dim, a.hidden_size, bias=False)
+        self.o_proj = nn.Linear(a.num_heads * a.head_dim, a.hidden_size, bias=False)
         if a.qk_norm:
             self.q_norm = RMSNorm(a.head_dim, a.rms_norm_eps)
             self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps)
 
-    def forward(self, x, B: int, rotary, mask, paged):
-        """x [N, D] -> [N, D], N = B * Q (or the packed real tokens). paged: None (plain causal
-        attention over x itself) or the step's StepKV."""
+    def forward(self, x, B: int, rotary, paged):
+        """x [N, D] -> [N, D], N = B * Q (or an engine step's packed real tokens). paged: None (causal
+        attention over x itself) or the engine step's paged cache (engine/paged_attention.StepKV)."""
         a = self.a
         N, Hq, Hkv, hd = x.shape[0], a.num_heads, a.num_kv_heads, a.head_dim
-        G, Q = Hq // Hkv, (x.shape[0] // B if paged is None else paged.Q)
+        G = Hq // Hkv
         qkv = self.qkv_proj(x)                                                # [N, (Hq + 2 Hkv) hd]
         if a.qk_norm:
             q, k, v = qkv.split([Hq * hd, Hkv * hd, Hkv * hd], -1)
@@ -249,48 +152,21 @@ class Attention(nn.Module):
             qkv = torch.cat([q.view(N, -1), k.view(N, -1), v], -1)
         # RoPE on q and k in one pass: the row as G + 2 chunks of Hkv heads (q, then k, then v: cos 1, sin 0)
         qkv = rope(qkv.view(N, G + 2, Hkv, hd), *rotary)                      # [N, G+2, Hkv, hd]
-        index = None if paged is None else paged.token_index
-        if index is None:
-            q = qkv[:, :G].reshape(B, Q, Hq, hd)                              # head h = kv head h // G
-        else:   # packed tokens: only attention needs the padded [B, Q] layout
-            q = qkv.new_zeros(B * Q, G, Hkv, hd).index_copy_(0, index, qkv[:, :G]).view(B, Q, Hq, hd)
-        if paged is None:  # training / reference: causal attention over the input itself
-            k, v = qkv[:, G].view(B, Q, Hkv, hd), qkv[:, G + 1].view(B, Q, Hkv, hd)
-            out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                 is_causal=True, enable_gqa=True).transpose(1, 2)
-            return self.o_proj(out.reshape(N, Hq * hd))
-        C, cache = paged.C, paged.caches[self.layer]                         # [2 Hkv, S, hd]: k heads, v heads
-        cache.index_copy_(1, paged.slots, qkv[:, G:].reshape(N, 2 * Hkv, hd).transpose(0, 1))
-        if paged.groups is not None:    # fused small-Q path: batch (kv head, seq), rows (group, query)
-            qv, out = q.view(B, Q, Hkv, G, hd), None
-            for rows, w, key_slots, bias in paged.groups:     # each row once, at its group's query width
-                b = B if rows is None else len(rows)
-                kvs = cache.index_select(1, key_slots).view(2, Hkv, b, C, hd)   # one gather, K and V
-                qg = qv[:, :w] if rows is None else qv[rows, :w]                  # [b, w, Hkv, G, hd]
-                qb = qg.permute(2, 0, 3, 1, 4).reshape(Hkv * b, G * w, hd)
-                keys, vals = kvs[0].view(Hkv * b, C, hd), kvs[1].view(Hkv * b, C, hd)
-                scores = torch.baddbmm(bias, qb, keys.transpose(1, 2), alpha=hd ** -0.5)   # [Hkv b, G w, C]
-                og = torch.bmm(scores.softmax(-1), vals)                                  # [Hkv b, G w, hd]
-                og = og.view(Hkv, b, G, w, hd).permute(1, 3, 0, 2, 4)                     # [b, w, Hkv, G, hd]
-                if rows is None:
-                    out = og
-                else:
-                    out = qv.new_zeros(qv.shape) if out is None else out
-                    out[rows, :w] = og
-        else:
-            kvs = cache.index_select(1, paged.key_slots).view(2, Hkv, B, C, hd)   # one gather, K and V
-            keys, vals = kvs[0].transpose(0, 1), kvs[1].transpose(0, 1)              # [B, Hkv, C, hd]
-            out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, vals, attn_mask=mask,
-                                                 enable_gqa=True).transpose(1, 2)
-        out = out.reshape(B * Q, Hq * hd)
-        return self.o_proj(out if index is None else out.index_select(0, index))
+        if paged is not None:     # an engine step: write K/V into the paged cache, attend over it
+            return self.o_proj(paged.attend(self.layer, qkv))
+        Q = N // B
+        q = qkv[:, :G].reshape(B, Q, Hq, hd)                                  # head h = kv head h // G
+        k, v = qkv[:, G].view(B, Q, Hkv, hd), qkv[:, G + 1].view(B, Q, Hkv, hd)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             is_causal=True, enable_gqa=True).transpose(1, 2)
+        return self.o_proj(out.reshape(N, Hq * hd))
 
 
 class MLP(nn.Module):
     def __init__(self, a: ModelArgs):
         super().__init__()
-        self.gate_up_proj = Linear(a.hidden_size, 2 * a.intermediate_size, bias=False)  # gate | up
-        self.down_proj = Linear(a.intermediate_size, a.hidden_size, bias=False)
+        self.gate_up_proj = nn.Linear(a.hidden_size, 2 * a.intermediate_size, bias=False)  # gate | up
+        self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=False)
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).chunk(2, -1)
@@ -305,8 +181,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
 
-    def forward(self, x, B, rotary, mask, paged):
-        x = x + self.self_attn(self.input_layernorm(x), B, rotary, mask, paged)
+    def forward(self, x, B, rotary, paged):
+        x = x + self.self_attn(self.input_layernorm(x), B, rotary, paged)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -323,11 +199,11 @@ class CausalLM(nn.Module):
         super().__init__()
         self.args = args
         self.model = Body(args)
-        self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids, positions=None, kv: PagedKV | None = None, features=None):
+    def forward(self, input_ids, positions=None, kv=None, features=None):
         """input_ids, positions: [B, Q] -> final hidden states [B, Q, D] (call `logits` on what you need).
         features: [N, D] per real token, only for a draft head (drafters/head.py: `embed`)."""
         a = self.args
@@ -342,21 +218,9 @@ class CausalLM(nn.Module):
             flat_ids, flat_pos = flat_ids.index_select(0, index), flat_pos.index_select(0, index)
         x = self.embed(flat_ids, features)                                       # [N, D]
         rotary = self.rotary(flat_pos, Q)
-        mask = paged = None
-        if kv is not None:
-            C = kv.key_slots.shape[1]
-            caches = kv.cache.permute(0, 1, 3, 2, 4)                             # [L, 2, Hkv, S, hd]
-            if not caches.is_contiguous():   # flatten would copy and the layers' writes would be lost
-                raise ValueError("PagedKV.cache must be laid out by CausalLM.new_kv_cache (head-major storage)")
-            slots = kv.slot_mapping.flatten()
-            slots = slots if index is None else slots.index_select(0, index)
-            paged = StepKV(caches.flatten(1, 2), slots, kv.key_slots.flatten(), C, Q, index)
-            if Q <= SMALL_Q and x.device.type == "cpu":
-                paged.groups = self.query_groups(positions, kv.key_slots, index, x.dtype)
-            else:
-                mask = attention_mask(positions, C, None)
+        paged = None if kv is None else kv.bind(positions, a.num_kv_heads, a.num_heads, x.dtype, x.device)
         for layer in self.model.layers:
-            x = layer(x, B, rotary, mask, paged)
+            x = layer(x, B, rotary, paged)
         x = self.model.norm(x)
         if index is not None:
             x = x.new_zeros(B * Q, x.shape[-1]).index_copy_(0, index, x)
@@ -365,22 +229,6 @@ class CausalLM(nn.Module):
     def embed(self, ids, features=None):
         """[N] token ids -> [N, D] inputs of the first layer (a draft head mixes in the target's features)."""
         return self.model.embed_tokens(ids)
-
-    def query_groups(self, positions, key_slots, index, dtype) -> list:
-        """The small-Q attention's row groups: (rows, query width, their key slots, their bias). A ragged
-        verify (a few rows with drafts) would pad every row's queries to the widest: on CPU attention
-        costs B * Q * C, so rows with one new token attend alone at width 1 and only the others at Q."""
-        a = self.args
-        B, Q = positions.shape
-        fused = (a.num_kv_heads, a.num_heads // a.num_kv_heads)
-        C = key_slots.shape[1]
-        if index is not None and Q > 1:
-            lens = torch.bincount(torch.div(index, Q, rounding_mode="floor"), minlength=B)  # [B] real tokens
-            single = torch.nonzero(lens == 1).flatten()
-            if len(single):          # else every row has several tokens: one group, no gather by row
-                return [(rows, w, key_slots[rows].flatten(), attention_mask(positions[rows, :w], C, fused, dtype))
-                        for rows, w in ((single, 1), (torch.nonzero(lens > 1).flatten(), Q))]
-        return [(None, Q, key_slots.flatten(), attention_mask(positions, C, fused, dtype))]
 
     def rotary(self, positions, width: int):
         """cos, sin' [N, G + 2, 1, hd] for the fused qkv row (chunks: G of q heads, k, v: cos 1, sin 0),
