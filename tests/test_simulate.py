@@ -209,3 +209,15 @@ def test_bad_input_names_the_file_and_key(tmp_path, capsys):
     (tmp_path / "rows.json").write_text(json.dumps({"rows": [{"name": "AR", "speedup": 1.0}]}))
     with pytest.raises(ValueError, match=r"rows\.json: row 'AR': missing key 'steps'"):
         sim.read_run(str(tmp_path / "rows.json"), None)
+
+
+def test_light_calibration_times_each_part_on_a_tiny_model():
+    """calibrate(light) end to end on a tiny model, one process: on CPU compute and memory add (no overlap),
+    the drafters' propose() time per row is measured (not a fitted residual), the trainer's forward +
+    backward sets train_mfu through the origin, and without a process group the interconnect is a copy."""
+    hw = sim.calibrate(dict(TINY, max_position_embeddings=256), 1, "tiny", light=True)
+    assert hw.overlap is False and hw.flops > 0 and hw.mem_bw > 0 and hw.interconnect_bw > 0
+    assert hw.train_mfu > 0 and hw.train_overhead_s >= 0 and hw.draft_seq_s >= 0
+    assert min(hw.step_overhead_s, hw.seq_overhead_s, hw.verify_overhead_s) >= 0
+    lens = [(40, 100)] * 8
+    assert sim.train_compute(hw, sim.ModelShape.from_config(TINY, "tiny"), [lens, []], False)[1] == 0.0

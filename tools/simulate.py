@@ -8,7 +8,8 @@ train, an event-driven replay of each rank's drain, and a nanospec run's measure
 
 Nothing here is a speedup: every number comes from the model's shape, the hardware and the trace.
  * Roofline (Williams, Waterman & Patterson, CACM 2009): an engine step costs
-   max(FLOPs / achievable FLOP/s, bytes / achievable bandwidth) + host overhead. A decode step reads
+   max(FLOPs / achievable FLOP/s, bytes / achievable bandwidth) + host overhead (on one CPU core the
+   two terms add: Hardware.overlap). A decode step reads
    every weight once and each sequence's KV once, so it is memory-bound at small B*Q; the weight read
    is shared by all B*Q query tokens, so it turns compute-bound as B*Q grows. Verifying k drafts
    costs about one decode step while memory-bound (why speculation pays on a GPU), ~(k+1) when not.
@@ -58,6 +59,7 @@ class Hardware:
     train_overhead_s: float = 0.0     # per optimizer step outside the FLOPs (rewards, batching, launches)
     draft_seq_s: float = 0.0          # a history drafter's host time per drafting row per step
     draft_step_overhead_s: float = 0.0  # a draft head's host time per forward (one per draft position)
+    overlap: bool = True              # compute and memory traffic overlap (GPU); False: they add (one CPU core)
 
 
 # Peak numbers from NVIDIA's public data sheets (H100 SXM5 / H200 SXM: dense BF16 989 TFLOP/s without
@@ -173,21 +175,22 @@ def step_time(hw: Hardware, m: ModelShape, tp: int, rows: float, tokens: float, 
     cached tokens (sum of contexts) and score `pairs` (query, key) pairs.
         FLOPs = 2 * matmul_params * tokens + attn_flops_per_pair * pairs
         bytes = weights + (kv_read + tokens) * kv_bytes_per_token            (KV reads + writes)
-    TP splits both over tp devices and adds 2 activation all-reduces per layer (ring: 2(tp-1)/tp)."""
+    TP splits both over tp devices and adds 2 activation all-reduces per layer (ring: 2(tp-1)/tp).
+    On one CPU core the two do not overlap (hw.overlap False): SmolLM2's decode step at batch 1 takes its
+    weight bytes at ~6 GB/s, and each row adds its FLOPs on top (docs/results.md, issue 48)."""
     compute = (2 * m.matmul_params * tokens + m.attn_flops_per_pair * pairs) / (tp * hw.flops * hw.flops_eff)
     nbytes = m.matmul_params * m.dtype_bytes + (kv_read + tokens) * m.kv_bytes_per_token
     memory = nbytes / (tp * hw.mem_bw * hw.bw_eff)
     comm = 2 * m.layers * tokens * m.hidden * m.dtype_bytes * 2 * (tp - 1) / tp / (hw.interconnect_bw / 2)
-    return max(compute, memory) + comm + hw.step_overhead_s + hw.seq_overhead_s * rows + hw.verify_overhead_s * verify
+    body = max(compute, memory) if hw.overlap else compute + memory
+    return body + comm + hw.step_overhead_s + hw.seq_overhead_s * rows + hw.verify_overhead_s * verify
 
 
 def train_time(hw: Hardware, m: ModelShape, seqs_per_rank: list[list[tuple[int, int]]], ref_model: bool) -> float:
-    """One optimizer step on len(seqs_per_rank) ranks, each over its (prompt, response) lengths:
-        FLOPs per sequence of S tokens = 6 * matmul_params * S (forward + backward)
-              + 3 * attn_flops_per_pair * S^2 / 2 (causal attention) + 2 * vocab * hidden * response
-              (the checkpointed LM-head chunks are recomputed) [+ 2 * matmul_params * S: reference model]
-    at train_mfu of peak; then the fp32 gradient ring all-reduce (2 (n-1)/n * 4 * params bytes over one
-    direction of the interconnect) and AdamW (reads param, grad, m, v; writes param, m, v: 28 bytes/param)."""
+    """One optimizer step on len(seqs_per_rank) ranks, each over its (prompt, response) lengths: the
+    slowest rank's forward + backward (`train_compute`), then the fp32 gradient ring all-reduce
+    (2 (n-1)/n * 4 * params bytes over one direction of the interconnect) and AdamW (reads param, grad,
+    m, v; writes param, m, v: 28 bytes/param) + the step's measured rest (clipping, AdamW's extra passes)."""
     n = len(seqs_per_rank)
     compute = max(train_compute(hw, m, seqs_per_rank, ref_model))
     allreduce = 2 * (n - 1) / n * 4 * m.params / (hw.interconnect_bw / 2)
@@ -195,12 +198,28 @@ def train_time(hw: Hardware, m: ModelShape, seqs_per_rank: list[list[tuple[int, 
 
 
 def train_compute(hw: Hardware, m: ModelShape, seqs_per_rank: list[list[tuple[int, int]]], ref_model: bool) -> list:
-    """Each rank's forward + backward seconds (train_time's FLOPs at train_mfu)."""
-    def flops(p, L):
-        S = p + L
-        return ((6 + 2 * ref_model) * m.matmul_params * S + 1.5 * m.attn_flops_per_pair * S * S
-                + 2 * m.vocab * m.hidden * L)
-    return [sum(flops(p, L) for p, L in seqs) / (hw.flops * hw.train_mfu) for seqs in seqs_per_rank]
+    """Each rank's forward + backward seconds at train_mfu, over the trainer's own micro-batches
+    (rl/grpo.micro_batches: length-sorted, <= MICROBATCH_TOKENS padded tokens). A micro-batch of b
+    sequences padded to L tokens, T of them completion positions (the longest response):
+        decoder body: (6 [+ 2 reference]) * body params * b * L + 1.5 * attn_flops_per_pair * b * L^2
+        LM head, on the b * T completion positions only, in checkpointed chunks (forward, recomputed
+        forward, backward = 2 + 2 + 4) [+ 2 reference]: (8 [+ 2]) * vocab * hidden * b * T"""
+    from types import SimpleNamespace
+    from nanospec.rl.grpo import micro_batches
+    head = m.vocab * m.hidden
+    body = m.matmul_params - head
+
+    def flops(seqs):
+        if not seqs:                  # a rank with no sample this step
+            return 0.0
+        fake = [SimpleNamespace(prompt_ids=range(p), completion_ids=range(L)) for p, L in seqs]
+        total = 0.0
+        for idx in (i for i in micro_batches(fake, 1) if i):
+            b, L, T = len(idx), max(sum(seqs[i]) for i in idx), max(seqs[i][1] for i in idx)
+            total += ((6 + 2 * ref_model) * body * b * L + 1.5 * m.attn_flops_per_pair * b * L * L
+                      + (8 + 2 * ref_model) * head * b * T)
+        return total
+    return [flops(seqs) / (hw.flops * hw.train_mfu) for seqs in seqs_per_rank]
 
 
 def head_train_time(hw: Hardware, head: ModelShape, st: dict) -> float:
@@ -572,7 +591,7 @@ def calibrated(cfg: dict, threads: int = 1, where: str = "config.json", ranks: i
                    platform.processor()) if info.is_file() else platform.processor()
     if device != "cpu":
         machine = torch.cuda.get_device_name(0)
-    key = json.dumps([cfg, threads, ranks, machine, os.cpu_count(), torch.__version__, 9]
+    key = json.dumps([cfg, threads, ranks, machine, os.cpu_count(), torch.__version__, 10]
                      + [device] * (device != "cpu"), sort_keys=True, default=str)
     path = cache_dir() / "profiles" / f"sim_{device}_{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
     if path.is_file():
@@ -588,8 +607,10 @@ def calibrated(cfg: dict, threads: int = 1, where: str = "config.json", ranks: i
           f"{'2-3 min' if light else '1 min'} on an idle 2-core box; cached in {path})", flush=True)
     ctx = multiprocessing.get_context("spawn")
     queue, barrier = ctx.Queue(), ctx.Barrier(ranks)
+    store = path.with_suffix(f".store{os.getpid()}")       # the ranks' gloo group (CPU): their all-reduce is timed
+    store.unlink(missing_ok=True)
     procs = [ctx.Process(target=_calibrate_rank,
-                         args=(cfg, threads, where, barrier, queue, fits_per_rank, light, r == 0, device))
+                         args=(cfg, threads, where, barrier, queue, fits_per_rank, light, r, device, (store, ranks)))
              for r in range(ranks)]
     for p in procs:
         p.start()
@@ -598,15 +619,24 @@ def calibrated(cfg: dict, threads: int = 1, where: str = "config.json", ranks: i
         p.join()
     med = statistics.median       # per field, over every rank's fits: one fit on this box is +-10%
     hw = Hardware(f"{device} x{ranks}", *(med([f[k] for f in fits]) for k in list(fits[0])[1:]))
+    hw = replace(hw, overlap=bool(hw.overlap))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(asdict(hw)))
     return hw
 
 
-def _calibrate_rank(cfg, threads, where, barrier, queue, fits: int, light: bool, verbose: bool, device: str) -> None:
+def _calibrate_rank(cfg, threads, where, barrier, queue, fits: int, light: bool, rank: int, device: str,
+                    group: tuple) -> None:
+    import torch.distributed as dist
+    store, ranks = group
+    gloo = device == "cpu" and ranks > 1
+    if gloo:
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=ranks)
     for i in range(fits):
-        log = (lambda msg: print(f"simulate:   fit {i + 1}/{fits}: {msg}", flush=True)) if verbose else None
+        log = (lambda msg: print(f"simulate:   fit {i + 1}/{fits}: {msg}", flush=True)) if rank == 0 else None
         queue.put(asdict(calibrate(cfg, threads, where, barrier.wait, light, log, device)))
+    if gloo:
+        dist.destroy_process_group()
 
 
 def calibrate(cfg: dict, threads: int, where: str, sync=lambda: None, light: bool = False, log=None,
@@ -615,15 +645,15 @@ def calibrate(cfg: dict, threads: int, where: str, sync=lambda: None, light: boo
     process, `threads` torch threads; ~1 min, then cached by `calibrated`); device="cuda": to its GPU
     (the engine in bf16 with CUDA graphs, the trainer in fp32 there, every timing after a synchronize):
       1. LLM.time_forward over a (B, C, Q) grid -> flops, mem_bw and the forward's own overheads
-         (least squares on log time: every batch size counts alike); a fresh draft head's forwards ->
-         their host time beyond the roofline (head_overhead);
+         (least squares on log time: every batch size counts alike; on CPU compute and memory add,
+         Hardware.overlap); a fresh draft head's forwards -> their host time beyond the roofline;
       2. engine steps of GRPO-like drains (the trainer's drafters and controller): greedy AR, then
          verify steps whose drafts are all accepted -> host time per step and per row beyond the
-         forward; a verify step's extra and drafting per row;
+         forward; a verify step's extra; the drafters' measured propose() time per drafting row;
       3. trainer steps (grpo.completion_logprobs over micro_batches, TIS + the clipped surrogate,
-         backward, gradient clipping, AdamW) on varied
-         lengths -> train_mfu, train_overhead_s; a tensor copy -> interconnect_bw (ranks on one host
-         exchange through its memory).
+         backward; then the gradient all-reduce, clipping, AdamW, each timed apart) on varied lengths ->
+         train_mfu, train_overhead_s, and interconnect_bw: the ranks' gloo all-reduce where they form a
+         group (CPU, several ranks), else a tensor copy (ranks on one host exchange through its memory).
     light: the same phases on a smaller grid, shorter drains and fewer trainer steps (a real model);
     log: called with each phase's elapsed time (progress)."""
     import time
@@ -645,6 +675,8 @@ def calibrate(cfg: dict, threads: int, where: str, sync=lambda: None, light: boo
     sync()
     hw = _fit_engine_overheads(llm, hw, m, args.vocab_size, light, prompt_range, done)
     hw = _fit_trainer(hw, m, args, device, light, prompt_range, sync, wait, done)
+    if torch.distributed.is_initialized():
+        return hw                                            # its all-reduce was timed
     buf = torch.empty(m.params, dtype=torch.float32, device=device)
 
     def copy_time() -> float:
@@ -694,7 +726,7 @@ def _fit_roofline(llm, m: ModelShape, maxlen: int, med, light: bool, gpu: bool, 
     sync()                                     # every calibrating process starts each phase together
     fwd = [(B, C, Q, med(lambda: llm.time_forward(B, C, Q), 1 if light else 3)) for B, C, Q in grid]
     done(f"{len(grid)} forward shapes timed")
-    hw_of = lambda x: Hardware("cpu", *np.exp(x[:2]), 1.0, *np.exp(x[2:5]))
+    hw_of = lambda x: Hardware("cpu", *np.exp(x[:2]), 1.0, *np.exp(x[2:5]), overlap=gpu)
     x = least_squares(lambda x: [math.log(_forward_time(hw_of(x), m, B, C, Q) / t) for B, C, Q, t in fwd],
                       np.log([1e14 if gpu else 1e10, 1e12 if gpu else 1e10, 1e-3, 1e-5, 1e-4])).x
     return hw_of(x)
@@ -724,15 +756,15 @@ def _fit_engine_overheads(llm, hw: Hardware, m: ModelShape, vocab: int, light: b
         out = []
         while llm.scheduler.has_work():
             rows, prefill = list(llm.scheduler.running), bool(llm.scheduler.waiting)
-            before, t0 = llm.stats["generated_tokens"], time.perf_counter()
+            before, drafting, t0 = llm.stats["generated_tokens"], llm.seconds["propose"], time.perf_counter()
             llm.step()
             if not prefill and rows:
                 C = sum(len(s) - 1 for s in rows) / len(rows)
                 Q = (llm.stats["generated_tokens"] - before) / len(rows)   # all drafts accepted: Q = emitted
-                out.append((len(rows), C, Q, time.perf_counter() - t0))
+                out.append((len(rows), C, Q, time.perf_counter() - t0, llm.seconds["propose"] - drafting))
         return out
     ar = [s for seed in ((1, 2) if light else (1, 2, 5, 6)) for s in drain_steps(False, seed)]
-    a, b = _fit_relative([[1.0, B] for B, *_ in ar], [t - _forward_time(hw, m, B, C, 1) for B, C, _, t in ar],
+    a, b = _fit_relative([[1.0, B] for B, *_ in ar], [t - _forward_time(hw, m, B, C, 1) for B, C, _, t, _ in ar],
                          [s[3] for s in ar])
     hw = replace(hw, step_overhead_s=hw.step_overhead_s + a, seq_overhead_s=hw.seq_overhead_s + b)
     done(f"{len(ar)} decode steps timed")
@@ -741,8 +773,11 @@ def _fit_engine_overheads(llm, hw: Hardware, m: ModelShape, vocab: int, light: b
         drain_steps(True, seed)                    # the drafters learn these (greedy) responses ...
     ver = [s for seed in spec_seeds for s in drain_steps(True, seed) if s[2] > 1]   # ... and draft them, all accepted
     if len(ver) >= 2:       # the controller may draft on too few steps to fit (and nnls aborts on none)
-        c, d = _fit_relative([[1.0, B] for B, *_ in ver], [t - _forward_time(hw, m, B, C, Q) for B, C, Q, t in ver],
-                             [s[3] for s in ver])
+        # propose() is timed, not fitted: per drafting row; the rest of a verify step beyond its forward
+        # is the verify overhead
+        d = sum(p for *_, p in ver) / sum(B for B, *_ in ver)
+        c, = _fit_relative([[1.0] for _ in ver], [t - p - _forward_time(hw, m, B, C, Q) for B, C, Q, t, p in ver],
+                           [s[3] for s in ver])
         hw = replace(hw, verify_overhead_s=hw.verify_overhead_s + c, draft_seq_s=d)
     done(f"{len(ver)} verify steps timed" + ("" if len(ver) >= 2 else ": too few, the forward grid's verify cost stands"))
     return hw
@@ -750,18 +785,25 @@ def _fit_engine_overheads(llm, hw: Hardware, m: ModelShape, vocab: int, light: b
 
 def _fit_trainer(hw: Hardware, m: ModelShape, args, device: str, light: bool, prompt_range: tuple, sync, wait,
                  done) -> Hardware:
-    """Phase 3: trainer steps on a fresh policy -> train_mfu and train_overhead_s, beyond AdamW's traffic."""
+    """Phase 3: trainer steps on a fresh policy, their parts timed apart: forward + backward -> train_mfu
+    (through the origin: the runs' per-step rest outside them, rank_time_prepare, is ~0); clipping +
+    AdamW -> train_overhead_s beyond AdamW's modelled traffic; the ranks' gradient all-reduce over gloo
+    (rl/dist.all_reduce_grads, as Trainer._optimizer_step) -> interconnect_bw."""
+    import statistics
     import time
     import torch
     from nanospec.models.decoder import CausalLM
+    from nanospec.rl.dist import all_reduce_grads
     from nanospec.rl.grpo import completion_logprobs, make_microbatch, micro_batches
     from nanospec.rl.loss import policy_loss, tis_weights
     from nanospec.rl.rollout import Sample
     policy = CausalLM(args).to(device).train()
-    opt = torch.optim.AdamW(policy.parameters(), lr=1e-6)
+    params = list(policy.parameters())
+    opt = torch.optim.AdamW(params, lr=1e-6)
 
-    def train_step(n: int, seed: int) -> tuple[list, float]:
-        """n samples of 8 per prompt (prompts 6-48 tokens, light: 32-96; responses log-uniform 2-128)."""
+    def train_step(n: int, seed: int) -> tuple[list, float, float, float]:
+        """n samples of 8 per prompt (prompts 6-48 tokens, light: 32-96; responses log-uniform 2-128)
+        -> (lengths, forward + backward s, all-reduce s, clip + AdamW s)."""
         g = torch.Generator().manual_seed(seed)
         rnd = lambda lo, hi: int(torch.randint(lo, hi, (1,), generator=g))
         plen = [rnd(*prompt_range) for _ in range(n // 8)]
@@ -775,20 +817,31 @@ def _fit_trainer(hw: Hardware, m: ModelShape, args, device: str, light: bool, pr
             logp = completion_logprobs(policy, mb, 1.0)[0]
             w, _ = tis_weights(logp.detach(), mb.behaviour_lp, mb.mask, 2.0)
             policy_loss(logp, logp.detach(), mb.adv, mb.mask, num_seqs_global=n, tis_weight=w)[0].backward()
-        torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
+        wait()
+        t1 = time.perf_counter()
+        sync()                                    # the all-reduce alone, not a slower rank's backward
+        t2 = time.perf_counter()
+        all_reduce_grads(params)
+        t3 = time.perf_counter()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         wait()
-        return lens, time.perf_counter() - t0
+        return lens, t1 - t0, t3 - t2, time.perf_counter() - t3
     train_step(8, 0)
     sync()
     base = replace(hw, train_mfu=1.0, train_overhead_s=0.0)
-    optim = train_time(base, m, [[]], False)               # AdamW's memory traffic alone
-    rows = [(lambda lens, t: (train_time(base, m, [lens], False) - optim, t - optim))(*train_step(n, seed))
-            for n in ((8, 16) if light else (16, 32, 64)) for seed in ((1,) if light else (1, 2, 3))]
-    done(f"{len(rows)} trainer steps timed")
-    inv, over = _fit_relative([[c, 1.0] for c, _ in rows], [t for _, t in rows], [t for _, t in rows])
-    return replace(hw, train_mfu=1.0 / max(inv, 1e-12), train_overhead_s=over)
+    steps = [train_step(n, seed) for n in ((8, 16) if light else (16, 32, 64)) for seed in ((1,) if light else (1, 2, 3))]
+    done(f"{len(steps)} trainer steps timed")
+    flops = [train_compute(base, m, [lens], False)[0] for lens, *_ in steps]   # seconds at train_mfu 1
+    inv, = _fit_relative([[c] for c in flops], [t for _, t, _, _ in steps], [t for _, t, _, _ in steps])
+    adamw = 28 * m.params / (hw.mem_bw * hw.bw_eff)
+    hw = replace(hw, train_mfu=1.0 / max(inv, 1e-12),
+                 train_overhead_s=max(statistics.median(o for *_, o in steps) - adamw, 0.0))
+    if torch.distributed.is_initialized():    # a ring all-reduce moves 2 (n-1)/n of the bytes each way
+        n = torch.distributed.get_world_size()
+        hw = replace(hw, interconnect_bw=2 * 2 * (n - 1) / n * 4 * m.params / statistics.median(a for _, _, a, _ in steps))
+    return hw
 
 
 def head_overhead(llm, m: ModelShape, hw: Hardware, maxlen: int, med, reps: int) -> float:
