@@ -617,6 +617,7 @@ def calibrated(cfg: dict, threads: int = 1, where: str = "config.json", ranks: i
     fits = [queue.get(timeout=1800) for _ in range(fits_per_rank * ranks)]
     for p in procs:
         p.join()
+    store.unlink(missing_ok=True)
     med = statistics.median       # per field, over every rank's fits: one fit on this box is +-10%
     hw = Hardware(f"{device} x{ranks}", *(med([f[k] for f in fits]) for k in list(fits[0])[1:]))
     hw = replace(hw, overlap=bool(hw.overlap))
