@@ -175,6 +175,7 @@ def test_cli_on_a_tiny_run(tmp_path, capsys):
     # by part, mean over ranks and steps: the step's host time not in a forward or a draft goes with decode
     measured = {v["metric"]: v["measured"] for v in res["validation"]}
     assert measured["rank decode + host"] == pytest.approx(0.6 + (0.9 - 0.8)) and measured["rank propose"] == 0.1
+    assert res["simulated"]["spec"]["sync_mean"]["time_weight_sync"] == 0.0   # an fp32 engine shares the policy
     sync = res["simulated"]["spec"]["sync"][0]
     assert sum(sync["rank_time_prefill"]) + sum(sync["rank_time_decode"]) + sum(sync["rank_time_propose"]) \
         == pytest.approx(sum(sync["rank_busy_time"]))
@@ -188,6 +189,7 @@ def test_cli_on_a_tiny_run(tmp_path, capsys):
                      "--dp", "8", "--prompts", "8", "--G", "4", "--steps", "3", "--out", str(out)]) == 0
     res = json.loads(out.read_text())["runs"][0]
     assert len(res["table"]) == 6 and all(r["time_step"] > 0 for r in res["table"])
+    assert res["simulated"]["spec"]["sync_mean"]["time_weight_sync"] > 0     # a projection copies its weights
     assert res["validation"] == []            # a projection has nothing measured to compare with
 
 

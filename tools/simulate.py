@@ -166,6 +166,7 @@ class Layout:
     gen_dp: int | None = None  # async: ranks that generate (the rest train); None = the best split
     max_seqs: int = 256        # per engine: running sequences (vLLM's max_num_seqs)
     block_size: int = 16       # KV block: prefix caching shares a prompt's full blocks
+    shared_weights: bool = False  # sync: the engine runs the policy's own tensors (rl/grpo.py: fp32, replicated)
 
 
 # ---- roofline ----------------------------------------------------------------------------------------
@@ -237,11 +238,14 @@ def head_train_time(hw: Hardware, head: ModelShape, st: dict) -> float:
     return flops / (hw.flops * hw.train_mfu) + 28 * head.params / (hw.mem_bw * hw.bw_eff)
 
 
-def weight_sync_time(hw: Hardware, m: ModelShape, colocated: bool) -> float:
-    """Colocated (sync): the engine copies the trainer's weights in device memory (read + write).
+def weight_sync_time(hw: Hardware, m: ModelShape, colocated: bool, shared: bool = False) -> float:
+    """Colocated (sync): the engine copies the trainer's weights in device memory (read + write), or,
+    sharing the policy's tensors (an fp32 engine beside a replicated trainer), copies nothing.
     Disaggregated (async): the weights are broadcast to the generation group over one direction of
     the interconnect (a pipelined broadcast costs about one transfer)."""
     nbytes = m.params * m.dtype_bytes
+    if colocated and shared:
+        return 0.0
     return 2 * nbytes / (hw.mem_bw * hw.bw_eff) if colocated else nbytes / (hw.interconnect_bw / 2)
 
 
@@ -522,7 +526,8 @@ def simulate(trace: list[dict], hw: Hardware, m: ModelShape, lay: Layout, spec_m
     for st in trace:
         ro = rollout(hw, m, lay, st, dp, spec(st))
         share = [[(p, L) for (p, ls), r in zip(st["groups"], rank_of(st, dp)) if r == k for L in ls] for k in range(dp)]
-        T, S = train_time(hw, m, share, ref_model) / lay.tp, weight_sync_time(hw, m, colocated=True)
+        T = train_time(hw, m, share, ref_model) / lay.tp
+        S = weight_sync_time(hw, m, colocated=True, shared=lay.shared_weights)
         H = head_train_time(hw, st["spec"].head, st) if spec_mode == "spec" and st["spec"].head else 0.0
         part = lambda f: [sum(f(x) for x in steps) for steps in ro["steps"]]    # per rank
         sync.append(dict(step=st["step"], time_rollout=ro["time"], time_train=T, time_weight_sync=S,
@@ -1064,6 +1069,11 @@ def main(argv: list[str] | None = None) -> int:
         on_gpu = str(_cfg(cfg, "rollout", "device", default="cpu")).startswith("cuda")
         projecting = ((a.hardware in PRESETS and not on_gpu) or lay.tp != 1 or a.acceptance is not None
                       or lay.dp != len(first.get("rank_busy_time") or [0]))
+        lay = replace(lay, shared_weights=bool(a.run) and not projecting and not a.dtype
+                      and _cfg(cfg, "rollout", "dtype", default="float32") == "float32"
+                      and not _cfg(cfg, "rollout", "use_cuda_graphs", default=False)
+                      and not _cfg(cfg, "grpo", "max_staleness", default=0)
+                      and _cfg(cfg, "run", "sharding", default="none") != "fsdp")
     except (ValueError, OSError, KeyError, json.JSONDecodeError) as e:
         print(f"simulate: error: {e}", file=sys.stderr)
         return 2
