@@ -36,6 +36,7 @@ import os
 import re
 import statistics
 import sys
+import time
 from collections import deque
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -599,8 +600,14 @@ def calibrated(cfg: dict, threads: int = 1, where: str = "config.json", ranks: i
     key = json.dumps([cfg, threads, ranks, machine, os.cpu_count(), torch.__version__, 10]
                      + [device] * (device != "cpu"), sort_keys=True, default=str)
     path = cache_dir() / "profiles" / f"sim_{device}_{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
-    if path.is_file():
+    if path.is_file():     # said, so a calibration taken on a busy box or another day is not trusted unseen
+        age = (time.time() - path.stat().st_mtime) / 3600
+        print(f"simulate: the calibration cached {age:.1f} h ago ({path}); delete it to calibrate again, "
+              f"on an idle box", flush=True)
         return Hardware(**json.loads(path.read_text()))
+    if os.getloadavg()[0] > 0.5:
+        print(f"simulate: the box is busy (1-minute load {os.getloadavg()[0]:.1f}): the calibration will price "
+              f"that contention", flush=True)
     # the embedded ~4M model gets the full calibration; a real model's forwards, drains and backward
     # cost ~30x more each, so it gets one fit per rank over a smaller grid, shorter drains, fewer steps
     params = ModelShape.from_config(cfg, where, "float32").params
@@ -662,7 +669,6 @@ def calibrate(cfg: dict, threads: int, where: str, sync=lambda: None, light: boo
          group (CPU, several ranks), else a tensor copy (ranks on one host exchange through its memory).
     light: the same phases on a smaller grid, shorter drains and fewer trainer steps (a real model);
     log: called with each phase's elapsed time (progress)."""
-    import time
     import numpy as np
     import torch
     torch.set_num_threads(threads)
@@ -742,7 +748,6 @@ def _fit_engine_overheads(llm, hw: Hardware, m: ModelShape, vocab: int, light: b
                           done) -> Hardware:
     """Phase 2: host time per step and per row beyond the forward (AR drains), then a verify step's extra
     and drafting per row (drains whose drafts are all accepted)."""
-    import time
     import torch
     from nanospec.engine.sequence import SamplingParams
 
@@ -795,8 +800,6 @@ def _fit_trainer(hw: Hardware, m: ModelShape, args, device: str, light: bool, pr
     (through the origin: the runs' per-step rest outside them, rank_time_prepare, is ~0); clipping +
     AdamW -> train_overhead_s beyond AdamW's modelled traffic; the ranks' gradient all-reduce over gloo
     (rl/dist.all_reduce_grads, as Trainer._optimizer_step) -> interconnect_bw."""
-    import statistics
-    import time
     import torch
     from nanospec.models.decoder import CausalLM
     from nanospec.rl.dist import all_reduce_grads
