@@ -413,10 +413,10 @@ def drain(hw: Hardware, m: ModelShape, lay: Layout, groups: list, spec: Spec,
                 dt = step_time(hw, m, tp, B, sum(qs), sum(ctx), sum(q * (c + q / 2) for q, c in zip(qs, ctx)), v) + draft
             else:
                 C = sum(ctx) / B
-                cost = lambda q, v: (step_time(hw, m, tp, B, B * q, B * C, B * q * (C + q / 2), v)
-                                     + spec.drafting_time(hw, B, C, q, v))
-                q, tau, v = spec.choose(cost)
-                dt, taus, draft = cost(q, v), [tau] * B, spec.drafting_time(hw, B, C, q, v)
+                forward = lambda q, v: step_time(hw, m, tp, B, B * q, B * C, B * q * (C + q / 2), v)
+                q, tau, v = spec.choose(lambda q, v: forward(q, v) + spec.drafting_time(hw, B, C, q, v))
+                draft = spec.drafting_time(hw, B, C, q, v)
+                dt, taus = forward(q, v) + draft, [tau] * B
             part, rem, ctx = "decode", [x - u for x, u in zip(rem, taus)], [c + u for c, u in zip(ctx, taus)]
         steps.append((t, dt, len(rem), part, draft))
         t += dt
