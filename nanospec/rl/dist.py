@@ -144,7 +144,7 @@ def hash_seed(*parts) -> int:
     return int.from_bytes(hashlib.blake2b("/".join(map(str, parts)).encode(), digest_size=8).digest(), "big") >> 1
 
 
-def user_error(e: Exception, prog: str = "train.py") -> int:
+def user_error(e: Exception) -> int:
     """argparse's convention for bad input: one line on stderr, exit status 2.
 
     Under torchrun every rank validates the same inputs and fails alike, and torchrun SIGTERMs the
@@ -156,7 +156,7 @@ def user_error(e: Exception, prog: str = "train.py") -> int:
     if os.environ.get("NANOSPEC_TRACEBACK"):
         raise e
     msg = str(e.args[0]) if isinstance(e, FileNotFoundError) and e.args else str(e)
-    line = f"{prog}: error: {msg}"
+    line = f"train.py: error: {msg}"
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")    # torchrun: <attempt dir>/<rank>/error.json
     if error_file is None:                        # one process: nobody to race
         print(line, file=sys.stderr, flush=True)
