@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from conftest import ROOT, make_hf_model
+from nanospec.drafters.chain import find_drafter
 from nanospec.drafters.head import DraftHead, HeadDrafter, completion_mask, head_loss, load_head
 from nanospec.engine.llm import LLM
 from nanospec.engine.sequence import SamplingParams
@@ -90,7 +91,12 @@ def test_greedy_with_the_head_is_token_identical(model, warm_head):
         for o, r in zip(outs, ar):
             assert o.token_ids == r.token_ids
             assert o.logprobs == pytest.approx(r.logprobs, abs=1e-4)
-        assert llm.summary()["drafter/head/accepted"] > 0 and llm.scheduler.num_preemptions > 0
+        st = llm.summary()
+        assert st["drafter/head/accepted"] > 0 and llm.scheduler.num_preemptions > 0
+        # its forwards, as tools.simulate prices them: its longest draft on each step it drafted
+        assert 0 < st["drafter/head/propose_steps"] <= st["target_forwards"]
+        cap = find_drafter(llm.drafter, "head").max_draft_tokens
+        assert st["drafter/head/propose_steps"] <= st["drafter/head/depth"] <= cap * st["drafter/head/propose_steps"]
 
 
 def test_the_exactness_test_catches_a_head_that_drafts_argmax(v8, exact):

@@ -94,6 +94,11 @@ def test_a_replayed_head_is_priced():
          "drafter/head/proposed": 480, "drafter/head/accepted": 200}
     spec = sim.spec_from_metrics(r)
     assert spec.head_use == pytest.approx((1.0, 4.0, 3.0)) and spec.head is None
+    # its forwards are those of its longest draft in each step it ran, counted by the engine: 25 steps
+    # of 4.8 rows, 3.2 forwards each; a trace without that counter assumes the cap on each drafting step
+    counted = dict(r, **{"drafter/head/propose_steps": 25, "drafter/head/depth": 80})
+    assert sim.spec_from_metrics(counted).head_use == pytest.approx((25 / 40, 3.2, 4.8))
+    assert sim.spec_from_metrics(dict(r, drafting_steps=30), head_cap=5).head_use == pytest.approx((0.75, 5, 4))
     hw, m = clock(1.0), shape()
     free = sim.drain(hw, m, sim.Layout(), [(16, [40, 40])], spec)[0]
     priced = sim.drain(sim.replace(hw, draft_step_overhead_s=0.25), m, sim.Layout(), [(16, [40, 40])],
@@ -223,3 +228,4 @@ def test_light_calibration_times_each_part_on_a_tiny_model():
     assert min(hw.step_overhead_s, hw.seq_overhead_s, hw.verify_overhead_s) >= 0
     lens = [(40, 100)] * 8
     assert sim.train_compute(hw, sim.ModelShape.from_config(TINY, "tiny"), [lens, []], False)[1] == 0.0
+

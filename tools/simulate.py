@@ -346,9 +346,11 @@ class Spec:
         return self.replay_q(), 1.0 + sum(f * (leviathan(a, k) - 1.0) for f, k, a in self.drafters), self.on
 
 
-def spec_from_metrics(r: dict) -> Spec:
+def spec_from_metrics(r: dict, head_cap: int | None = None) -> Spec:
     """The trace's speculation: per drafter d, share = verify_steps_d / seq_forwards, k = proposed_d /
-    verify_steps_d, a from accepted_d / proposed_d at that k."""
+    verify_steps_d, a from accepted_d / proposed_d at that k. A head runs one forward per draft position
+    of its longest draft in a step (`depth`); a trace older than that counter: `head_cap` forwards (its
+    num_draft_tokens) on every step that drafted."""
     rows = max(r["seq_forwards"], 1)
     ds = []
     for key in sorted(k for k in r if k.startswith("drafter/") and k.endswith("/verify_steps")):
@@ -357,8 +359,11 @@ def spec_from_metrics(r: dict) -> Spec:
         if v and prop:
             k = prop / v
             ds.append((v / rows, k, alpha_from_rate(acc / prop, k)))
-    v, steps = r.get("drafter/head/verify_steps") or 0, max(r.get("target_forwards") or 1, 1)
-    use = (min(1.0, v / steps), r["drafter/head/proposed"] / v, v / min(v, steps)) if v else (0.0, 0.0, 0.0)
+    use, v = (0.0, 0.0, 0.0), r.get("drafter/head/verify_steps") or 0
+    if v:
+        steps = r.get("drafter/head/propose_steps") or r.get("drafting_steps") or max(r.get("target_forwards") or 1, 1)
+        depth = r.get("drafter/head/depth") or steps * (head_cap or r["drafter/head/proposed"] / v)
+        use = (min(1.0, steps / max(r.get("target_forwards") or 1, 1)), depth / steps, v / steps)
     return Spec(tuple(ds), r.get("spec_on_frac", 1.0 if ds else 0.0), head_use=use)
 
 
@@ -430,7 +435,7 @@ TRACE_KEYS = ("response_lens", "prompt_rank", "seq_forwards", "generated_tokens"
               "proposed_tokens", "accepted_tokens")
 
 
-def check_step(r: dict, where: str, prompt_len: float | None) -> dict:
+def check_step(r: dict, where: str, prompt_len: float | None, head_cap: int | None = None) -> dict:
     """A metrics line -> {groups per prompt, prompt lens, ranks, spec}; ValueError naming file and key."""
     for k in TRACE_KEYS + (() if prompt_len else ("prompt_lens",)):
         if k not in r:
@@ -450,7 +455,7 @@ def check_step(r: dict, where: str, prompt_len: float | None) -> dict:
                 for L, f, d in zip(lens, r["response_forwards"], r["response_drafted"])]
         rates = [rows[i * G:(i + 1) * G] for i in range(P)]
     return dict(step=r.get("step"), groups=[(plens[i], lens[i * G:(i + 1) * G]) for i in range(P)],
-                ranks=r["prompt_rank"], spec=spec_from_metrics(r), rank_specs=rank_specs(r), rates=rates,
+                ranks=r["prompt_rank"], spec=spec_from_metrics(r, head_cap), rank_specs=rank_specs(r), rates=rates,
                 measured=r)
 
 
@@ -465,7 +470,8 @@ def read_run(path: str, prompt_len: float | None) -> tuple[list[dict], dict]:
         import yaml
         cfg = yaml.safe_load((p / "config.yaml").read_text()) if (p / "config.yaml").is_file() else {}
         recs = [r for _, r in read_jsonl(f)]
-        return [(p.name, [check_step(r, str(f), prompt_len) for r in recs])], cfg
+        cap = (_head_spec(cfg) or {}).get("num_draft_tokens")
+        return [(p.name, [check_step(r, str(f), prompt_len, cap) for r in recs])], cfg
     if not p.is_file():
         raise ValueError(f"--run: {path}: neither a run directory nor a bench JSON file")
     rows = json.loads(p.read_text()).get("rows", [])
@@ -931,11 +937,16 @@ def validate(label: str, trace: list[dict], res: dict) -> list[dict]:
     return out
 
 
+def _head_spec(cfg: dict) -> dict | None:
+    """The draft head's entry in a run's rollout.speculative, or None."""
+    specs = _cfg(cfg, "rollout", "speculative") or []
+    return next((d for d in (specs if isinstance(specs, list) else [specs]) if d.get("method") == "head"), None)
+
+
 def run_head(cfg: dict, m: ModelShape) -> ModelShape | None:
     """The shape of the draft head a run's rollout.speculative names (its draft vocabulary from the
     head's config.json where it is saved), or None."""
-    specs = _cfg(cfg, "rollout", "speculative") or []
-    head = next((d for d in (specs if isinstance(specs, list) else [specs]) if d.get("method") == "head"), None)
+    head = _head_spec(cfg)
     if head is None:
         return None
     saved = Path(head.get("model") or "", "config.json")

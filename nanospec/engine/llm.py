@@ -365,6 +365,10 @@ class LLM:
         proposal = self.drafter.propose(seqs, budgets)
         seconds = time.perf_counter() - t0
         self.seconds["propose"] += seconds
+        for name in set(proposal.sources) - {""}:   # a model drafter runs one forward per draft position
+            per = self.stats["per_drafter"][name]
+            per["propose_steps"] += 1
+            per["depth"] += max(len(t) for t, n in zip(proposal.tokens, proposal.sources) if n == name)
         if self.controller is not None:
             proposal = self.controller.clip(proposal, budgets, seqs)
             drafting = [s for s, k in zip(seqs, budgets) if k]
@@ -586,6 +590,7 @@ def summarize(stats: dict, lossy: bool) -> dict:
         out[pre + "acceptance_rate"] = d["accepted"] / max(d["proposed"], 1)
         out[pre + "mean_accepted_len"] = (d["accepted"] + d["verify_steps"]) / max(d["verify_steps"], 1)
         out[pre + "draft_len"] = d["proposed"] / max(d["verify_steps"], 1)
+        out[pre + "propose_steps"], out[pre + "depth"] = d["propose_steps"], d["depth"]
         for j in itertools.count(1):     # acceptance by draft position: P(d_j accepted | d_1..d_{j-1} were)
             if not d.get(f"tried_{j}"):
                 break
