@@ -88,6 +88,15 @@ def test_per_position_acceptance_and_a_priced_head():
     assert run(sim.replace(hw, draft_step_overhead_s=1.0), head) == pytest.approx(ar)
 
 
+def test_a_cpu_engine_repacks_its_linears_once_a_rollout():
+    m, groups = shape(), [(16, [3, 5]), (8, [4])]
+    plain, _ = sim.drain(clock(1.0), m, sim.Layout(), groups, sim.Spec())
+    hw = sim.replace(clock(1.0), repack_s_per_param=1e-9)
+    t, steps = sim.drain(hw, m, sim.Layout(), groups, sim.Spec())
+    assert t == pytest.approx(plain + 1e-9 * m.matmul_params)         # in the first step only
+    assert steps[0][1] == pytest.approx(1.0 + 1e-9 * m.matmul_params) and steps[1][1] == pytest.approx(1.0)
+
+
 def test_a_replayed_head_is_priced():
     # 40 engine steps, the head verified on 120 rows with 4 drafts each: on every step, 3 rows a step
     r = {"seq_forwards": 400, "target_forwards": 40, "spec_on_frac": 1.0, "drafter/head/verify_steps": 120,

@@ -60,6 +60,7 @@ class Hardware:
     train_overhead_s: float = 0.0     # per optimizer step outside the FLOPs (rewards, batching, launches)
     draft_seq_s: float = 0.0          # a history drafter's host time per drafting row per step
     draft_step_overhead_s: float = 0.0  # a draft head's host time per forward (one per draft position)
+    repack_s_per_param: float = 0.0   # CPU: the first engine step after a weight update re-lays out every linear
     overlap: bool = True              # compute and memory traffic overlap (GPU); False: they add (one CPU core)
 
 
@@ -423,6 +424,8 @@ def drain(hw: Hardware, m: ModelShape, lay: Layout, groups: list, spec: Spec,
                 draft = spec.drafting_time(hw, B, C, q, v)
                 dt, taus = forward(q, v) + draft, [tau] * B
             part, rem, ctx = "decode", [x - u for x, u in zip(rem, taus)], [c + u for c, u in zip(ctx, taus)]
+        if not steps:      # the policy moved since the last rollout: a CPU engine repacks its linears
+            dt += hw.repack_s_per_param * m.matmul_params      # (engine/cpu_linear.py), in this first step
         steps.append((t, dt, len(rem), part, draft))
         t += dt
         keep = [i for i, x in enumerate(rem) if x > 1e-9]
@@ -603,7 +606,7 @@ def calibrated(cfg: dict, threads: int = 1, where: str = "config.json", ranks: i
                    platform.processor()) if info.is_file() else platform.processor()
     if device != "cpu":
         machine = torch.cuda.get_device_name(0)
-    key = json.dumps([cfg, threads, ranks, machine, os.cpu_count(), torch.__version__, 10]
+    key = json.dumps([cfg, threads, ranks, machine, os.cpu_count(), torch.__version__, 11]
                      + [device] * (device != "cpu"), sort_keys=True, default=str)
     path = cache_dir() / "profiles" / f"sim_{device}_{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
     probe = path.with_suffix(".probe")   # this box's matmul speed when it was calibrated
@@ -694,6 +697,7 @@ def calibrate(cfg: dict, threads: int, where: str, sync=lambda: None, light: boo
       1. LLM.time_forward over a (B, C, Q) grid -> flops, mem_bw and the forward's own overheads
          (least squares on log time: every batch size counts alike; on CPU compute and memory add,
          Hardware.overlap); a fresh draft head's forwards -> their host time beyond the roofline;
+         on CPU, a forward after an in-place weight update -> the linears' repack (repack_s_per_param);
       2. engine steps of GRPO-like drains (the trainer's drafters and controller): greedy AR, then
          verify steps whose drafts are all accepted -> host time per step and per row beyond the
          forward; a verify step's extra; the drafters' measured propose() time per drafting row;
@@ -716,6 +720,8 @@ def calibrate(cfg: dict, threads: int, where: str, sync=lambda: None, light: boo
     done = (lambda phase: log(f"{phase} ({time.perf_counter() - t_start:.0f} s)")) if log else (lambda phase: None)
     prompt_range = (32, 96) if light else (6, 48)   # light: a CPU rank's prompts of a real model's GRPO
     hw = _fit_roofline(llm, m, maxlen, med, light, gpu, sync, done)
+    if not gpu:
+        hw = replace(hw, repack_s_per_param=repack_time(llm, med) / m.matmul_params)
     hw = replace(hw, draft_step_overhead_s=head_overhead(llm, m, hw, maxlen, med, 1 if light else 3))
     done("draft head forwards timed")
     sync()
@@ -776,6 +782,21 @@ def _fit_roofline(llm, m: ModelShape, maxlen: int, med, light: bool, gpu: bool, 
     x = least_squares(lambda x: [math.log(_forward_time(hw_of(x), m, B, C, Q) / t) for B, C, Q, t in fwd],
                       np.log([1e14 if gpu else 1e10, 1e12 if gpu else 1e10, 1e-3, 1e-5, 1e-4])).x
     return hw_of(x)
+
+
+def repack_time(llm, med) -> float:
+    """Seconds the first engine step after an in-place weight update (an optimizer step into shared
+    weights, or LLM.load_weights) adds on CPU: every PackedLinear rebuilds its oneDNN layout. SmolLM2:
+    +0.42-0.56 s on a 1.4 s prefill (docs/results.md)."""
+    import torch
+    step = lambda: llm.time_forward(1, 16, 1)
+
+    def after_update() -> float:
+        with torch.no_grad():
+            for p in llm.model.parameters():
+                p.mul_(1.0)                  # moves each weight's _version, as AdamW's in-place step does
+        return step()
+    return max(med(after_update) - med(step), 0.0)
 
 
 def _fit_engine_overheads(llm, hw: Hardware, m: ModelShape, vocab: int, light: bool, prompt_range: tuple,
