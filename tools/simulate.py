@@ -609,13 +609,10 @@ def calibrated(cfg: dict, threads: int = 1, where: str = "config.json", ranks: i
     key = json.dumps([cfg, threads, ranks, machine, os.cpu_count(), torch.__version__, 11]
                      + [device] * (device != "cpu"), sort_keys=True, default=str)
     path = cache_dir() / "profiles" / f"sim_{device}_{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
-    probe = path.with_suffix(".probe")   # this box's matmul speed when it was calibrated
     if path.is_file():     # said, so a calibration taken on a busy box or another day is not trusted unseen
         age = (time.time() - path.stat().st_mtime) / 3600
         print(f"simulate: the calibration cached {age:.1f} h ago ({path}); delete it to calibrate again, "
               f"on an idle box", flush=True)
-        if probe.is_file() and device == "cpu":
-            check_speed(float(probe.read_text()), matmul_speed(cfg, threads))
         return Hardware(**json.loads(path.read_text()))
     if os.getloadavg()[0] > 0.5:
         print(f"simulate: the box is busy (1-minute load {os.getloadavg()[0]:.1f}): the calibration will price "
@@ -647,32 +644,7 @@ def calibrated(cfg: dict, threads: int = 1, where: str = "config.json", ranks: i
     hw = replace(hw, overlap=bool(hw.overlap))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(asdict(hw)))
-    if device == "cpu":
-        probe.write_text(str(matmul_speed(cfg, threads)))
     return hw
-
-
-def check_speed(then: float, now: float) -> None:
-    if abs(now / then - 1) > 0.1:
-        print(f"simulate: this CPU multiplies at {now / then:.2f}x its speed when calibrated: the times "
-              f"predicted here are off by about that (delete the cached calibration to fit it again)", flush=True)
-
-
-def matmul_speed(cfg: dict, threads: int) -> float:
-    """FLOP/s of this CPU on one MLP matmul of the model's shape at 64 rows, the median of 9 (~0.2 s):
-    a box's speed drifts by 10-20% over hours (docs/results.md), so a cached calibration is checked."""
-    import torch
-    torch.set_num_threads(threads)
-    D, F = cfg["hidden_size"], cfg["intermediate_size"]
-    x, w = torch.randn(64, D), torch.randn(F, D)
-    x @ w.T
-
-    def once() -> float:
-        t0 = time.perf_counter()
-        for _ in range(4):
-            x @ w.T
-        return 4 * 2 * 64 * D * F / (time.perf_counter() - t0)
-    return statistics.median(once() for _ in range(9))
 
 
 def _calibrate_rank(cfg, threads, where, barrier, queue, fits: int, light: bool, rank: int, device: str,
