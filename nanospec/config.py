@@ -454,6 +454,8 @@ def load_config(path, overrides=()) -> Config:
             v = yaml.safe_load(value)
         except yaml.YAMLError as e:
             raise ValueError(f"{path}: override {o!r}: value is not valid YAML: {e}") from e
+        if isinstance(v, bool) and typing.get_type_hints(SECTIONS.get(sec, object)).get(name) is str:
+            v = value       # YAML 1.1 reads off / yes / no as bools; a str field means the word
         _set(raw, origin, sec, name, v, f"{path}: override {o!r}")
     return config_from_dict(raw, str(path), origin)
 

@@ -50,6 +50,8 @@ def test_overrides_and_yaml_roundtrip(tmp_path):
     assert cfg.grpo.num_steps == 3 and cfg.sft.lr == 1e-3 and cfg.speculation.length_classes == [2, 4]
     assert cfg.rollout.speculative == [{"method": "ngram", "num_draft_tokens": 4}] and cfg.grpo.epsilon_high is None
     assert isinstance(cfg.grpo.temperature, float)
+    # a str field takes the word that YAML 1.1 would read as a bool (tools/seed_table.sh's frozen arm)
+    assert load_config(DEFAULT, ["--speculation.head_training=off"]).speculation.head_training == "off"
     save_config(cfg, tmp_path / "run" / "config.yaml")
     assert load_config(tmp_path / "run" / "config.yaml") == cfg
     assert yaml.safe_load(cfg.to_yaml()) == config_to_dict(cfg)
