@@ -585,12 +585,14 @@ def summarize(stats: dict, lossy: bool) -> dict:
     out["lossy"] = lossy
     for name, d in stats["per_drafter"].items():
         pre = f"drafter/{name}/"
+        out[pre + "propose_steps"], out[pre + "depth"] = d.get("propose_steps", 0), d.get("depth", 0)
+        if not d.get("verify_steps"):     # every draft it made was cut before the verify (controller.clip)
+            continue
         out[pre + "proposed"], out[pre + "accepted"] = d["proposed"], d["accepted"]
         out[pre + "verify_steps"] = d["verify_steps"]
         out[pre + "acceptance_rate"] = d["accepted"] / max(d["proposed"], 1)
         out[pre + "mean_accepted_len"] = (d["accepted"] + d["verify_steps"]) / max(d["verify_steps"], 1)
         out[pre + "draft_len"] = d["proposed"] / max(d["verify_steps"], 1)
-        out[pre + "propose_steps"], out[pre + "depth"] = d["propose_steps"], d["depth"]
         for j in itertools.count(1):     # acceptance by draft position: P(d_j accepted | d_1..d_{j-1} were)
             if not d.get(f"tried_{j}"):
                 break
