@@ -237,4 +237,3 @@ def test_light_calibration_times_each_part_on_a_tiny_model():
     assert min(hw.step_overhead_s, hw.seq_overhead_s, hw.verify_overhead_s) >= 0
     lens = [(40, 100)] * 8
     assert sim.train_compute(hw, sim.ModelShape.from_config(TINY, "tiny"), [lens, []], False)[1] == 0.0
-

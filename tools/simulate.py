@@ -758,8 +758,8 @@ def _fit_roofline(llm, m: ModelShape, maxlen: int, med, light: bool, gpu: bool, 
 
 def repack_time(llm, med) -> float:
     """Seconds the first engine step after an in-place weight update (an optimizer step into shared
-    weights, or LLM.load_weights) adds on CPU: every PackedLinear rebuilds its oneDNN layout. SmolLM2:
-    +0.42-0.56 s on a 1.4 s prefill (docs/results.md)."""
+    weights, or LLM.load_weights) adds on CPU: every PackedLinear rebuilds its oneDNN layout (SmolLM2's
+    figure: docs/results.md, the simulator on the real-model seed table)."""
     import torch
     step = lambda: llm.time_forward(1, 16, 1)
 
