@@ -360,11 +360,11 @@ def spec_from_metrics(r: dict, head_cap: int | None = None) -> Spec:
         if v and prop:
             k = prop / v
             ds.append((v / rows, k, alpha_from_rate(acc / prop, k)))
-    use, v = (0.0, 0.0, 0.0), r.get("drafter/head/verify_steps") or 0
+    use, v, forwards = (0.0, 0.0, 0.0), r.get("drafter/head/verify_steps") or 0, max(r.get("target_forwards") or 1, 1)
     if v:
-        steps = r.get("drafter/head/propose_steps") or r.get("drafting_steps") or max(r.get("target_forwards") or 1, 1)
+        steps = r.get("drafter/head/propose_steps") or r.get("drafting_steps") or forwards
         depth = r.get("drafter/head/depth") or steps * (head_cap or r["drafter/head/proposed"] / v)
-        use = (min(1.0, steps / max(r.get("target_forwards") or 1, 1)), depth / steps, v / steps)
+        use = (min(1.0, steps / forwards), depth / steps, v / steps)
     return Spec(tuple(ds), r.get("spec_on_frac", 1.0 if ds else 0.0), head_use=use)
 
 
