@@ -308,12 +308,12 @@ class DraftController:
         k = min(2, *(caps[i] for i in rows))
         any_k, per = self._draft_cost(st, source, len(rows))
         cost = any_k + per * k + st["v"] + st["c"] * k * len(rows)
-        budget = self.probe_fraction * st["left"] / st["B"] * st["t_ar"]    # the bound below at s1 = infinity
-        if cost > budget:        # (1 - 1 / s1) < 1: unaffordable whatever s1, so skip the solve
+        budget = self.probe_fraction * st["left"] / st["B"] * st["t_ar"]    # x (1 - 1 / s1) below, s1 > 1
+        if cost > budget:        # unaffordable whatever s1, so skip the solve
             return [0] * len(seqs)
         ones = [[1.0] * k for k in caps]
         keep, s1 = self._solve(st, ones, *self._draft_cost(st, source, len(seqs)))      # acceptance 1
-        if not any(keep) or cost > self.probe_fraction * (1 - 1 / s1) * st["left"] / st["B"] * st["t_ar"]:
+        if not any(keep) or cost > (1 - 1 / s1) * budget:
             return [0] * len(seqs)
         gap[:] = [0, min(2 * gap[1], self.probe_every_max)]
         st["probing"][source] = k                            # tokens a probe row keeps (`clip`)
