@@ -118,6 +118,17 @@ def test_a_replayed_head_is_priced():
     assert sim.run_head(cfg, m).vocab == 512 and sim.run_head({"rollout": {"speculative": None}}, m) is None
 
 
+def test_the_head_step_is_priced_by_where_it_learns():
+    # step: its passes over the positions it learned from, then the gradient all-reduce and AdamW over
+    # its own weights (fc + layer, not the LM rows); bubble: the passes ran in the idle time; off: nothing
+    hw, head = sim.Hardware("h", 1e12, 1e11, 1e10), shape().draft_head(32000)
+    st = dict(measured={"rank_busy_time": [1.0, 1.0], "head/positions": 2048}, groups=[(16, [40, 40])])
+    step, bubble = (sim.head_train_time(hw, head, st, mode) for mode in ("step", "bubble"))
+    body = head.matmul_params - head.vocab * head.hidden
+    assert bubble == pytest.approx(2 * 0.5 * 4 * body / (1e10 / 2) + 28 * body / 1e11)
+    assert step > 10 * bubble and sim.head_train_time(hw, head, st, "off") == 0.0
+
+
 def trace(steps=3, G=4, lens=(10, 40, 80, 20, 5, 60, 30, 90), spec=None):
     groups = [(16, list(lens[i * G:(i + 1) * G])) for i in range(len(lens) // G)]
     return [dict(step=s, groups=groups, ranks=[0, 1], spec=spec or sim.Spec(), measured={}) for s in range(steps)]

@@ -5,8 +5,10 @@
 #   ps      the config's chain: prior, suffix
 #   head    prior, then the head at $HEAD (k=4), trained online each step
 #   frozen  the same head, never trained (the ablation)
+#   bubble  the same head, trained in the ranks' idle time (speculation.head_training: bubble)
 # Resumable: a run with a DONE file is skipped, a partial one resumes from its last checkpoint (every
-# 5 steps). After each run, `tools.simulate --run` replays it (simulate.txt; the calibration is cached).
+# 5 steps); a finished one keeps only its final checkpoint. After each run, `tools.simulate --run`
+# replays it (simulate.txt; the calibration is cached).
 # usage (from the repository root): tools/seed_table.sh OUT_ROOT ["0 1 2 3"] ["ar ps head frozen"]
 set -euo pipefail
 out=${1:?usage: tools/seed_table.sh OUT_ROOT [seeds] [arms]}
@@ -24,13 +26,16 @@ for seed in $seeds; do
       ps) extra=() ;;
       head) extra=("--rollout.speculative=$chain") ;;
       frozen) extra=("--rollout.speculative=$chain" --speculation.head_training=off) ;;
-      *) echo "tools/seed_table.sh: arm '$arm': expected one of ar, ps, head, frozen" >&2; exit 2 ;;
+      bubble) extra=("--rollout.speculative=$chain" --speculation.head_training=bubble) ;;
+      *) echo "tools/seed_table.sh: arm '$arm': expected one of ar, ps, head, frozen, bubble" >&2; exit 2 ;;
     esac
     mkdir -p "$dir"
     echo "[seed_table] $(date -u +%FT%TZ) $arm seed $seed -> $dir"
     OMP_NUM_THREADS=1 "$bin/torchrun" --standalone --nproc_per_node=2 train.py \
       --config configs/smollm2_arith.yaml --run.seed="$seed" --run.out_dir="$dir" \
       --run.save_every=5 --run.resume=true "${extra[@]}" >>"$dir/train.log" 2>&1
+    # done: only the final checkpoint is worth its gigabytes (a table of 16 runs kept two each, and filled a disk)
+    ls -d "$dir"/checkpoints/step_* | head -n -1 | xargs -r rm -rf
     "$bin/python" -m tools.simulate --run "$dir" >"$dir/simulate.txt" 2>&1 || true
     touch "$dir/DONE"
   done

@@ -225,19 +225,26 @@ def train_compute(hw: Hardware, m: ModelShape, seqs_per_rank: list[list[tuple[in
     return [flops(seqs) / (hw.flops * hw.train_mfu) for seqs in seqs_per_rank]
 
 
-def head_train_time(hw: Hardware, head: ModelShape, st: dict) -> float:
+def head_train_time(hw: Hardware, head: ModelShape, st: dict, mode: str = "step") -> float:
     """The draft head's online step (rl/grpo.train_head, drafters/head.head_loss) on the positions the
     trace says it learned from (`head/positions`, per rank: whole sequences, so their prompts ride
     along): UNROLL passes of forward + backward through its fc and layer over every token and its LM
-    rows over the counted positions, the teacher's forward over them, then AdamW on its weights."""
+    rows over the counted positions, the teacher's forward over them, then the gradient ring
+    all-reduce and AdamW on its own weights (fc and layer: the LM rows are the policy's).
+    mode (speculation.head_training): "bubble", the passes ran in the ranks' idle time and the step
+    pays only the all-reduce and AdamW; "off", a frozen head costs the step nothing."""
     from nanospec.drafters.head import UNROLL
     ranks = max(len(st["measured"].get("rank_busy_time") or [1]), 1)
+    body, rows = head.matmul_params - head.vocab * head.hidden, head.vocab * head.hidden
+    update = (2 * (ranks - 1) / ranks * 4 * body / (hw.interconnect_bw / 2) if ranks > 1 else 0.0) \
+        + 28 * body / (hw.mem_bw * hw.bw_eff)
+    if mode != "step":
+        return update if mode == "bubble" else 0.0
     positions = (st["measured"].get("head/positions") or 0) / ranks
     lens = [(p, L) for p, ls in st["groups"] for L in ls]
     tokens = positions * sum(p + L for p, L in lens) / max(sum(L for _, L in lens), 1)
-    body, rows = head.matmul_params - head.vocab * head.hidden, head.vocab * head.hidden
     flops = UNROLL * 6 * (body * tokens + rows * positions) + 2 * rows * positions
-    return flops / (hw.flops * hw.train_mfu) + 28 * head.params / (hw.mem_bw * hw.bw_eff)
+    return flops / (hw.flops * hw.train_mfu) + update
 
 
 def weight_sync_time(hw: Hardware, m: ModelShape, colocated: bool, shared: bool = False) -> float:
@@ -311,12 +318,14 @@ class Spec:
     best_k > 0: every row drafts the k in 0..best_k that maximises tokens per second at this step's
     B and C (an adaptive controller) with acceptance `drafters[0]`'s a. `head`: a draft head of this
     shape drafts, and its forwards are priced: k per drafting step when choosing k; replayed, as the
-    trace's `head_use` = (share of engine steps it drafts on, forwards on each, rows in each)."""
+    trace's `head_use` = (share of engine steps it drafts on, forwards on each, rows in each);
+    `head_training`: how the trainer updates it (speculation.head_training: step, bubble or off)."""
     drafters: tuple = ()
     on: float = 0.0
     best_k: int = 0
     head: ModelShape | None = None
     head_use: tuple = (0.0, 0.0, 0.0)
+    head_training: str = "step"
 
     def draft_time(self, hw: Hardware, B: int, C: float, k: float) -> float:
         """A head's k forwards over B rows at context C (each one token a row: the catch-up rides on
@@ -538,7 +547,8 @@ def simulate(trace: list[dict], hw: Hardware, m: ModelShape, lay: Layout, spec_m
         share = [[(p, L) for (p, ls), r in zip(st["groups"], rank_of(st, dp)) if r == k for L in ls] for k in range(dp)]
         T = train_time(hw, m, share, ref_model) / lay.tp
         S = weight_sync_time(hw, m, colocated=True, shared=lay.shared_weights)
-        H = head_train_time(hw, st["spec"].head, st) if spec_mode == "spec" and st["spec"].head else 0.0
+        H = head_train_time(hw, st["spec"].head, st, st["spec"].head_training) \
+            if spec_mode == "spec" and st["spec"].head else 0.0
         part = lambda f: [sum(f(x) for x in steps) for steps in ro["steps"]]    # per rank
         sync.append(dict(step=st["step"], time_rollout=ro["time"], time_train=T, time_weight_sync=S,
                          time_head=H, time_step=ro["time"] + T + S + H, rank_busy_time=ro["busy"],
@@ -1050,7 +1060,9 @@ def _model_shape(a, cfg: dict, runs: list) -> tuple[ModelShape, dict, str, list]
             raise ValueError("--drafter head needs --acceptance (the head's, per draft position)")
         head = m.draft_head(a.draft_vocab)
     if head is not None:
-        runs = [(label, [dict(st, spec=replace(st["spec"], head=head)) for st in tr]) for label, tr in runs]
+        mode = _cfg(cfg, "speculation", "head_training", default="step")
+        runs = [(label, [dict(st, spec=replace(st["spec"], head=head, head_training=mode)) for st in tr])
+                for label, tr in runs]
     return m, mcfg, where, runs
 
 
