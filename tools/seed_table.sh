@@ -35,7 +35,7 @@ for seed in $seeds; do
       --config configs/smollm2_arith.yaml --run.seed="$seed" --run.out_dir="$dir" \
       --run.save_every=5 --run.resume=true "${extra[@]}" >>"$dir/train.log" 2>&1
     # done: only the final checkpoint is worth its gigabytes (a table of 16 runs kept two each, and filled a disk)
-    ls -d "$dir"/checkpoints/step_* | head -n -1 | xargs -r rm -rf
+    ls -d "$dir"/checkpoints/step_* 2>/dev/null | head -n -1 | xargs -r rm -rf || true
     "$bin/python" -m tools.simulate --run "$dir" >"$dir/simulate.txt" 2>&1 || true
     touch "$dir/DONE"
   done
