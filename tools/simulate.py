@@ -189,15 +189,21 @@ def step_time(hw: Hardware, m: ModelShape, tp: int, rows: float, tokens: float, 
     return body + comm + hw.step_overhead_s + hw.seq_overhead_s * rows + hw.verify_overhead_s * verify
 
 
+def update_time(hw: Hardware, params: int, ranks: int) -> tuple[float, float]:
+    """An optimizer step's traffic over `params` fp32 weights on `ranks` ranks: (the gradient ring
+    all-reduce, 2 (n-1)/n * 4 * params bytes over one direction of the interconnect; AdamW, which reads
+    param, grad, m, v and writes param, m, v: 28 bytes/param)."""
+    allreduce = 2 * (ranks - 1) / ranks * 4 * params / (hw.interconnect_bw / 2) if ranks > 1 else 0.0
+    return allreduce, 28 * params / (hw.mem_bw * hw.bw_eff)
+
+
 def train_time(hw: Hardware, m: ModelShape, seqs_per_rank: list[list[tuple[int, int]]], ref_model: bool) -> float:
     """One optimizer step on len(seqs_per_rank) ranks, each over its (prompt, response) lengths: the
-    slowest rank's forward + backward (`train_compute`), then the fp32 gradient ring all-reduce
-    (2 (n-1)/n * 4 * params bytes over one direction of the interconnect) and AdamW (reads param, grad,
-    m, v; writes param, m, v: 28 bytes/param) + the step's measured rest (clipping, AdamW's extra passes)."""
-    n = len(seqs_per_rank)
+    slowest rank's forward + backward (`train_compute`), then the gradient all-reduce and AdamW
+    (`update_time`) + the step's measured rest (clipping, AdamW's extra passes)."""
     compute = max(train_compute(hw, m, seqs_per_rank, ref_model))
-    allreduce = 2 * (n - 1) / n * 4 * m.params / (hw.interconnect_bw / 2)
-    return compute + allreduce + 28 * m.params / (hw.mem_bw * hw.bw_eff) + hw.train_overhead_s
+    allreduce, adamw = update_time(hw, m.params, len(seqs_per_rank))
+    return compute + allreduce + adamw + hw.train_overhead_s
 
 
 def train_compute(hw: Hardware, m: ModelShape, seqs_per_rank: list[list[tuple[int, int]]], ref_model: bool) -> list:
@@ -229,15 +235,14 @@ def head_train_time(hw: Hardware, head: ModelShape, st: dict, mode: str = "step"
     """The draft head's online step (rl/grpo.train_head, drafters/head.head_loss) on the positions the
     trace says it learned from (`head/positions`, per rank: whole sequences, so their prompts ride
     along): UNROLL passes of forward + backward through its fc and layer over every token and its LM
-    rows over the counted positions, the teacher's forward over them, then the gradient ring
-    all-reduce and AdamW on its own weights (fc and layer: the LM rows are the policy's).
+    rows over the counted positions, the teacher's forward over them, then `update_time` over its own
+    weights (fc and layer: the LM rows are the policy's).
     mode (speculation.head_training): "bubble", the passes ran in the ranks' idle time and the step
     pays only the all-reduce and AdamW; "off", a frozen head costs the step nothing."""
     from nanospec.drafters.head import UNROLL
     ranks = max(len(st["measured"].get("rank_busy_time") or [1]), 1)
     body, rows = head.matmul_params - head.vocab * head.hidden, head.vocab * head.hidden
-    update = (2 * (ranks - 1) / ranks * 4 * body / (hw.interconnect_bw / 2) if ranks > 1 else 0.0) \
-        + 28 * body / (hw.mem_bw * hw.bw_eff)
+    update = sum(update_time(hw, body, ranks))
     if mode != "step":
         return update if mode == "bubble" else 0.0
     positions = (st["measured"].get("head/positions") or 0) / ranks
@@ -881,7 +886,7 @@ def _fit_trainer(hw: Hardware, m: ModelShape, args, device: str, light: bool, pr
     done(f"{len(steps)} trainer steps timed")
     flops = [train_compute(base, m, [lens], False)[0] for lens, *_ in steps]   # seconds at train_mfu 1
     inv, = _fit_relative([[c] for c in flops], [t for _, t, _, _ in steps], [t for _, t, _, _ in steps])
-    adamw = 28 * m.params / (hw.mem_bw * hw.bw_eff)
+    adamw = update_time(hw, m.params, 1)[1]
     hw = replace(hw, train_mfu=1.0 / max(inv, 1e-12),
                  train_overhead_s=max(statistics.median(o for *_, o in steps) - adamw, 0.0))
     if torch.distributed.is_initialized():    # a ring all-reduce moves 2 (n-1)/n of the bytes each way
