@@ -1,4 +1,4 @@
-"""Flood: 2,000 requests through a KV pool that holds only three of the longest sequences.
+"""Flood: 1,000 requests through a KV pool that holds only three of the longest sequences.
 
 Random prompt lengths and max_tokens (long tailed), prompts revisited (prefix cache hits, history
 drafts), greedy / seeded / unseeded sampled rows, n > 1 groups, stop tokens, a few requests that run
@@ -27,7 +27,7 @@ from nanospec.engine.sequence import SamplingParams, Status
 from nanospec.models.loader import load_model
 
 ATOL = 1e-4
-N_REQUESTS, SEED = 2000, 0
+N_REQUESTS, SEED = 1000, 0
 VOCAB, BS, MAX_LEN = 64, 4, 160
 NUM_BLOCKS = 3 * MAX_LEN // BS               # three sequences of max_model_len, no more
 SPEC = [{"method": "prior", "num_draft_tokens": 4},
@@ -187,7 +187,7 @@ def test_flood_of_requests_through_a_tiny_kv_pool(model, controller, tmp_path, m
     assert llm.scheduler.num_preemptions > 100 and sharing > 100
     wheres = Counter(aborted.values())
     assert len(aborted) > 100 and all(wheres[w] > 5 for w in ("running", "preempted", "never ran")), wheres
-    assert sum(o.finish_reason == "stop" for o in outs) > 50
+    assert sum(o.finish_reason == "stop" for o in outs) > N_REQUESTS // 40
     assert sum(len(s) == MAX_LEN for s in seqs) > 3
     per = llm.stats["per_drafter"]
     if controller is None:      # drafting the cap: every member drafts. The adaptive controller may
@@ -213,11 +213,11 @@ def test_flood_of_requests_through_a_tiny_kv_pool(model, controller, tmp_path, m
             assert o.token_ids == r.token_ids and o.finish_reason == r.finish_reason, s
             checked += 1
         np.testing.assert_allclose(o.logprobs, r.logprobs[:len(o.logprobs)], atol=ATOL)
-    assert checked > 500
+    assert checked > N_REQUESTS // 4
 
     # sampled rows: every token inside its top-k / top-p support, logprobs = a fresh dense forward
     sampled = [(o, sp) for o, sp in zip(outs, params) if sp.temperature > 0 and o.token_ids]
-    assert sum(sp.seed is not None for _, sp in sampled) > 500
+    assert sum(sp.seed is not None for _, sp in sampled) > N_REQUESTS // 4
     for (o, sp), logits in zip(sampled, dense_logits(model, [o for o, _ in sampled])):
         x = logits / sp.temperature                                         # [n, V]
         tok = torch.tensor(o.token_ids)[:, None]
