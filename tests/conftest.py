@@ -42,18 +42,57 @@ def tiny_models(tmp_path_factory):
     return {a: make_hf_model(tmp_path_factory.mktemp(a), a, seed=i) for i, a in enumerate(ARCHS)}
 
 
+class E2E:
+    """The embedded default's short run (`tools.soak.RUN`: 150 SFT steps, 4 GRPO steps, a checkpoint every
+    2, every speculation policy on, the repeatable mode) under torchrun, for every end-to-end test
+    (test_faults, test_sharding): one SFT model and one fixed cost model per session, reused by each
+    launch through `--sft.out_dir` (by fingerprint), and each uninterrupted run made once: test_faults'
+    references are test_sharding's replicated runs."""
+
+    def __init__(self, root: Path):
+        from tools.soak import write_profile
+        self.root, self.runs = root, {}
+        write_profile(root / "profile.json")
+        self.launch(root / "sft_run", "--sft-only")
+
+    def launch(self, out, *extra, fault=None, ok=True, nodes=1, procs=2, script="train.py") -> str:
+        """`script` on nodes x procs ranks (nodes > 1: one torchrun per node, c10d rendezvous on this box),
+        run into `out`; fault: tools/faults.py kills a rank (NANOSPEC_FAULT). -> the launches' output."""
+        import socket
+        import subprocess
+        from tools.soak import RUN
+        args = [*(["-m", "tools.faults"] if fault else []), script, *RUN, f"--run.out_dir={out}",
+                f"--sft.out_dir={self.root / 'sft'}", f"--speculation.latency_profile={self.root / 'profile.json'}",
+                *extra]
+        run = [str(ROOT / ".venv" / "bin" / "python"), "-m", "torch.distributed.run", f"--nproc_per_node={procs}"]
+        if nodes == 1:
+            cmds = [[*run, "--standalone", *args]]
+        else:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            cmds = [[*run, f"--nnodes={nodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+                     "--rdzv-id=nanospec-test", *args] for _ in range(nodes)]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "NANOSPEC_FAULT": fault or "",
+               "PYTHONPATH": str(ROOT)}                   # a script outside the repo imports nanospec
+        ps = [subprocess.Popen(c, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+              for c in cmds]
+        logs = [p.communicate(timeout=600)[0] for p in ps]
+        rcs = [p.returncode for p in ps]
+        assert all(rc == 0 for rc in rcs) == ok, f"fault={fault} rc={rcs}\n" + "\n".join(log[-3000:] for log in logs)
+        return "\n".join(logs)
+
+    def reference(self, *extra) -> Path:
+        """The uninterrupted run with these extra arguments, launched once per session -> its directory."""
+        if extra not in self.runs:
+            out = self.root / f"ref{len(self.runs)}"
+            self.runs[extra] = out, self.launch(out, *extra)
+        return self.runs[extra][0]
+
+    def log(self, *extra) -> str:
+        return self.runs[extra][1]
+
+
 @pytest.fixture(scope="session")
-def soak_shared(tmp_path_factory):
-    """The embedded default's short SFT model (2 gloo ranks, `soak.RUN`) and a fixed cost model, made once
-    for every end-to-end torchrun test (test_faults, test_sharding): each run names this `--sft.out_dir`
-    and reuses it by fingerprint, so the session pays for one SFT, not one per test."""
-    import subprocess
-    from tools.soak import RUN, write_profile
-    shared = tmp_path_factory.mktemp("soak")
-    write_profile(shared / "profile.json")
-    cmd = [*TORCHRUN, "train.py", *RUN, "--sft-only", f"--run.out_dir={shared / 'sft_run'}",
-           f"--sft.out_dir={shared / 'sft'}"]
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    return shared
+def e2e(tmp_path_factory):
+    return E2E(tmp_path_factory.mktemp("e2e"))

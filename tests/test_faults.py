@@ -8,7 +8,6 @@ time (two runs would then draft differently, and a different draft length change
 row draws). In that mode two runs agree on every metric that does not measure time, so a resumed
 run must too.
 """
-import functools
 import hashlib
 import os
 import random
@@ -19,19 +18,7 @@ import pytest
 from conftest import ROOT, TORCHRUN
 from nanospec.config import read_jsonl
 from nanospec.rl.checkpoint import list_checkpoints, resume_point, verify_checkpoint
-from tools.soak import RUN, untimed    # the soak script's short default run
-
-
-def train(shared, out, *args, fault=None, ok=True, sharding="none", extra=()):
-    """One torchrun launch of the short run into `out`, on the SFT model and cost model in `shared`."""
-    launch = ["-m", "tools.faults", "train.py"] if fault else ["train.py"]    # tools/faults.py arms the kill
-    cmd = TORCHRUN + [*launch, *RUN, f"--run.out_dir={out}", f"--sft.out_dir={shared / 'sft'}",
-                      f"--speculation.latency_profile={shared / 'profile.json'}", f"--run.sharding={sharding}",
-                      *extra, *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "NANOSPEC_FAULT": fault or ""}
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
-    assert (p.returncode == 0) == ok, f"fault={fault} rc={p.returncode}\n" + p.stdout[-3000:] + p.stderr[-3000:]
-    return p.stdout + p.stderr
+from tools.soak import untimed
 
 
 def metrics(out) -> list[dict]:
@@ -58,23 +45,21 @@ HEAD = ('--rollout.speculative=[{method: prior, num_draft_tokens: 8}, {method: s
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sharding", ["none", "fsdp"])
-def test_kill_a_rank_anywhere_and_resume_exactly(soak_shared, tmp_path, sharding):
+def test_kill_a_rank_anywhere_and_resume_exactly(e2e, tmp_path, sharding):
     """Replicated with prior+suffix; FSDP with a draft head chained after them (its weights and AdamW
     state are checkpointed beside the policy's: the resumed run's head/loss must match too).
     The repeatable mode is repeatable: the resumed run's steps 0-1 come from another process than the
     reference's, steps 2-3 from a third, and every untimed metric must match."""
-    train = functools.partial(globals()["train"], soak_shared, sharding=sharding)
-    if sharding == "fsdp":
-        train = functools.partial(train, extra=[HEAD])
-    log = train(tmp_path / "ref")
-    ref = metrics(tmp_path / "ref")
+    args = [f"--run.sharding={sharding}", *([HEAD] if sharding == "fsdp" else [])]
+    ref_dir = e2e.reference(*args)
+    log, ref = e2e.log(*args), metrics(ref_dir)
     assert [r["step"] for r in ref] == [0, 1, 2, 3]
     spec = "prior+suffix+head" if sharding == "fsdp" else "prior+suffix"
     assert all(len(r["rank_busy_time"]) == 2 and r["speculative"] == spec for r in ref)
     assert sharding != "fsdp" or all(r["head/positions"] > 0 and "head/loss" in r for r in ref)
     assert "before" in log and "after" in log and "python -m tools.report" in log
     from transformers import AutoModelForCausalLM     # a checkpoint is an ordinary HF model directory
-    assert AutoModelForCausalLM.from_pretrained(tmp_path / "ref" / "checkpoints" / "step_000004").config.model_type == "llama"
+    assert AutoModelForCausalLM.from_pretrained(ref_dir / "checkpoints" / "step_000004").config.model_type == "llama"
     assert sum(r["accepted_tokens"] for r in ref) > 0 and sum(r["bubble_draft_accepted"] for r in ref) > 0
     # one run, killed twice; each relaunch resumes from the last complete checkpoint. The first kill
     # is mid-rollout or mid-optimizer step of step 3 (after the step-2 save), the second mid-save of
@@ -87,34 +72,33 @@ def test_kill_a_rank_anywhere_and_resume_exactly(soak_shared, tmp_path, sharding
               f"save:4:0:{rng.randint(1, 3)}" if rng.random() < 0.5 else "save:4:1:1"]
     run = tmp_path / "run"
     for i, fault in enumerate(faults):
-        log = train(run, *(["--resume"] if i else []), fault=fault, ok=False)
+        log = e2e.launch(run, *args, *(["--resume"] if i else []), fault=fault, ok=False)
         where = f"seed {seed}, fault {fault}"
         ckpts = list_checkpoints(run)
         assert [c.name for c in ckpts] == ["step_000002"], (where, log[-2000:])
         for c in (run / "checkpoints").iterdir():        # a step_* directory is complete or absent
             if c.name.startswith("step_"):
                 verify_checkpoint(c)
-    log = train(run, "--resume")
+    log = e2e.launch(run, *args, "--resume")
     assert "continuing at step 2" in log
     assert [untimed(r) for r in metrics(run)] == [untimed(r) for r in ref], f"seed {seed}, faults {faults}"
     final = lambda d: d / "checkpoints" / "step_000004" / "model.safetensors"
-    assert sha(final(run)) == sha(final(tmp_path / "ref"))
+    assert sha(final(run)) == sha(final(ref_dir))
 
 
 @pytest.mark.slow
-def test_off_policy_on_two_ranks_resumes_exactly(soak_shared, tmp_path):
+def test_off_policy_on_two_ranks_resumes_exactly(e2e, tmp_path):
     """grpo.max_staleness=1 under torchrun: the rollout thread's gathers run in their own process group
     beside the trainer's all-reduces; a rank killed inside the thread's rollout of step 3 (made while
     step 2 trains) resumes from the step-2 checkpoint, which holds that step's rollout made ahead."""
-    off = "--grpo.max_staleness=1"
-    train(soak_shared, tmp_path / "ref", off)
-    ref = metrics(tmp_path / "ref")
+    args = ["--run.sharding=none", "--grpo.max_staleness=1"]
+    ref = metrics(e2e.reference(*args))
     assert [r["staleness"] for r in ref] == [0, 1, 1, 1] and all(r["time_overlap"] > 0 for r in ref[:3])
     run = tmp_path / "run"
     fault = f"rollout:3:{random.randrange(2)}:{random.randint(1, min(6, engine_steps(ref[3])))}"
-    train(soak_shared, run, off, fault=fault, ok=False)
+    e2e.launch(run, *args, fault=fault, ok=False)
     assert [c.name for c in list_checkpoints(run)] == ["step_000002"]
-    train(soak_shared, run, off, "--resume")
+    e2e.launch(run, *args, "--resume")
     assert [untimed(r) for r in metrics(run)] == [untimed(r) for r in ref]
 
 

@@ -1,12 +1,12 @@
 """run.sharding: fsdp (FSDP2 over gloo here) against the replicated trainer, multi-node launch, DCP
 checkpoints resumed at another world size.
 
-The end-to-end runs are the embedded default of tests/test_faults.py (2 gloo ranks, every speculation
-policy on, the repeatable mode) for 3 GRPO steps, a checkpoint at step 2 and at the end.
+The end-to-end runs are conftest.E2E's (the embedded default on 2 gloo ranks, every speculation policy
+on, the repeatable mode, 4 GRPO steps, a checkpoint at steps 2 and 4): the replicated runs are
+test_faults' references, made once.
 """
 import os
 import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -17,36 +17,14 @@ from nanospec.config import read_jsonl
 from tools.soak import RUN, untimed
 
 PY = str(ROOT / ".venv" / "bin" / "python")
-ARGS = [*RUN, "--grpo.num_steps=3"]
-
-
-def launch(shared, out, *extra, nodes: int = 1, procs: int = 2, script: str = "train.py"):
-    """Run `script` on nodes x procs ranks (nodes > 1: one torchrun per node, c10d rendezvous on this box)."""
-    args = [script, *ARGS, f"--run.out_dir={out}", f"--sft.out_dir={shared / 'sft'}",
-            f"--speculation.latency_profile={shared / 'profile.json'}", *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}   # a script outside the repo imports nanospec
-    if nodes == 1:
-        cmds = [[PY, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}", *args]]
-    else:
-        import socket
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        cmds = [[PY, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--nproc_per_node={procs}",
-                 "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=nanospec-test", *args]
-                for _ in range(nodes)]
-    ps = [subprocess.Popen(c, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-          for c in cmds]
-    logs = [p.communicate(timeout=600)[0] for p in ps]
-    assert all(p.returncode == 0 for p in ps), "\n".join(log[-3000:] for log in logs)
-    return "\n".join(logs)
+NONE, OFF = ("--run.sharding=none",), ("--run.sharding=none", "--grpo.max_staleness=1")
 
 
 def metrics(out) -> list[dict]:
     return [r for _, r in read_jsonl(out / "metrics.jsonl")]
 
 
-def weights(out, step=3) -> dict:
+def weights(out, step=4) -> dict:
     from safetensors.torch import load_file
     return load_file(out / "checkpoints" / f"step_{step:06d}" / "model.safetensors")
 
@@ -62,20 +40,16 @@ def close(a, b, rel=1e-5, abs_=1e-5) -> bool:
 
 
 @pytest.fixture(scope="module")
-def runs(soak_shared):
-    """The replicated and FSDP runs of the same 3 steps, written beside the session's SFT model and
-    profile (conftest.soak_shared)."""
-    tmp = soak_shared
-    launch(tmp, tmp / "none")
-    log = launch(tmp, tmp / "fsdp", "--run.sharding=fsdp")
-    return tmp, log
+def runs(e2e):
+    """The replicated and FSDP runs of the same 4 steps -> (E2E, the replicated run, the FSDP run)."""
+    return e2e, e2e.reference(*NONE), e2e.reference("--run.sharding=fsdp")
 
 
-def assert_same_run(tmp, none, fsdp) -> None:
-    """Every untimed metric of the 3 steps within rel 1e-5, the final weights within 1e-5 (and 1% of
-    how far training moved them)."""
-    ref, got = metrics(tmp / none), metrics(tmp / fsdp)
-    assert [r["step"] for r in got] == [0, 1, 2] and got[0]["speculative"] == "prior+suffix"
+def assert_same_run(none, fsdp, init) -> None:
+    """Every untimed metric of the 4 steps within rel 1e-5, the final weights within 1e-5 (and 1% of
+    how far training moved them from `init`)."""
+    ref, got = metrics(none), metrics(fsdp)
+    assert [r["step"] for r in got] == [0, 1, 2, 3] and got[0]["speculative"] == "prior+suffix"
     assert sum(r["accepted_tokens"] for r in got) > 0 and sum(r["bubble_draft_accepted"] for r in got) > 0
     for a, b in zip(ref, got):
         a, b = untimed(a), untimed(b)
@@ -83,18 +57,22 @@ def assert_same_run(tmp, none, fsdp) -> None:
         bad = [(k, a[k], b[k]) for k in a
                if not close(a[k], b[k], abs_=1e-5 if k.startswith("mismatch/") else 0.0)]
         assert not bad, (a["step"], bad)
-    from safetensors.torch import load_file
-    w0, w1, init = weights(tmp / none), weights(tmp / fsdp), load_file(tmp / "sft" / "model.safetensors")
-    moved = max(float((w0[k] - init[k]).abs().max()) for k in w0)      # 3 steps at lr 5e-5: ~1.5e-4
+    w0, w1 = weights(none), weights(fsdp)
+    moved = max(float((w0[k] - init[k]).abs().max()) for k in w0)      # 4 steps at lr 5e-5: ~2e-4
     diff = max(float((w0[k] - w1[k]).abs().max()) for k in w0)
     assert w0.keys() == w1.keys() and diff <= min(1e-5, moved / 100), (diff, moved)
 
 
+def sft_weights(e2e) -> dict:
+    from safetensors.torch import load_file
+    return load_file(e2e.root / "sft" / "model.safetensors")
+
+
 @pytest.mark.slow
 def test_fsdp_matches_replicated_on_two_ranks(runs):
-    tmp, log = runs
-    assert_same_run(tmp, "none", "fsdp")
-    ck = tmp / "fsdp" / "checkpoints" / "step_000003"
+    e2e, none, fsdp = runs
+    assert_same_run(none, fsdp, sft_weights(e2e))
+    ck = fsdp / "checkpoints" / "step_000004"
     assert sorted(p.name for p in (ck / "dcp").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
     from transformers import AutoModelForCausalLM     # the consolidated export is an HF model directory
     assert AutoModelForCausalLM.from_pretrained(ck).config.model_type == "llama"
@@ -103,19 +81,18 @@ def test_fsdp_matches_replicated_on_two_ranks(runs):
 @pytest.mark.slow
 def test_off_policy_fsdp_matches_replicated(runs):
     """grpo.max_staleness 1: the rollout thread's engine beside FSDP's collectives in the main thread."""
-    tmp, _ = runs
-    launch(tmp, tmp / "off_none", "--grpo.max_staleness=1")
-    launch(tmp, tmp / "off_fsdp", "--grpo.max_staleness=1", "--run.sharding=fsdp")
-    assert [r["staleness"] for r in metrics(tmp / "off_fsdp")] == [0, 1, 1]
-    assert_same_run(tmp, "off_none", "off_fsdp")
+    e2e = runs[0]
+    off_fsdp = e2e.reference("--run.sharding=fsdp", "--grpo.max_staleness=1")
+    assert [r["staleness"] for r in metrics(off_fsdp)] == [0, 1, 1, 1]
+    assert_same_run(e2e.reference(*OFF), off_fsdp, sft_weights(e2e))
 
 
 @pytest.mark.slow
-def test_two_nodes_match_one_node_under_fsdp(runs):
-    tmp, _ = runs
-    launch(tmp, tmp / "nodes", "--run.sharding=fsdp", nodes=2, procs=1)
-    assert [untimed(r) for r in metrics(tmp / "nodes")] == [untimed(r) for r in metrics(tmp / "fsdp")]
-    w0, w1 = weights(tmp / "fsdp"), weights(tmp / "nodes")
+def test_two_nodes_match_one_node_under_fsdp(runs, tmp_path):
+    e2e, _, fsdp = runs
+    e2e.launch(tmp_path / "nodes", "--run.sharding=fsdp", nodes=2, procs=1)
+    assert [untimed(r) for r in metrics(tmp_path / "nodes")] == [untimed(r) for r in metrics(fsdp)]
+    w0, w1 = weights(fsdp), weights(tmp_path / "nodes")
     assert all(torch.equal(w0[k], w1[k]) for k in w0)
 
 
@@ -164,13 +141,13 @@ def test_fsdp_resumes_at_another_world_size(runs, tmp_path):
     """2 -> 1 and 1 -> 2 ranks: weights and both AdamW moments come back bit for bit (DCP reshards);
     per-rank drafter state is rebuilt, and the run says so."""
     import shutil
-    src, _ = runs
+    e2e, _, fsdp = runs
     run = tmp_path / "run"
-    shutil.copytree(src / "fsdp", run)
-    shutil.rmtree(run / "checkpoints" / "step_000003")
+    shutil.copytree(fsdp, run)
+    shutil.rmtree(run / "checkpoints" / "step_000004")
     script = tmp_path / "dump.py"
     script.write_text(DUMP)
-    common = [*ARGS, f"--sft.out_dir={src / 'sft'}", f"--speculation.latency_profile={src / 'profile.json'}",
+    common = [*RUN, f"--sft.out_dir={e2e.root / 'sft'}", f"--speculation.latency_profile={e2e.root / 'profile.json'}",
               f"--run.out_dir={run}", "--run.sharding=fsdp"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     p = subprocess.run([PY, str(script), *common, f"--dump={tmp_path / 'one.pt'}"], cwd=ROOT,
@@ -178,14 +155,14 @@ def test_fsdp_resumes_at_another_world_size(runs, tmp_path):
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     assert "written by 2 rank(s), this run has 1" in p.stdout and "rebuilt, not merged" in p.stdout
     same_state(tmp_path / "one.pt", run / "checkpoints" / "step_000002")
-    # world 1 trains the last step and saves it; 2 ranks resume from that
+    # world 1 trains the last two steps and saves them; 2 ranks resume from that
     p = subprocess.run([PY, "train.py", *common, "--resume"], cwd=ROOT, capture_output=True, text=True,
                        timeout=600, env=env)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
-    assert [r["step"] for r in metrics(run)] == [0, 1, 2] and len(metrics(run)[2]["rank_busy_time"]) == 1
-    log = launch(src, run, "--run.sharding=fsdp", f"--dump={tmp_path / 'two.pt'}", script=str(script))
+    assert [r["step"] for r in metrics(run)] == [0, 1, 2, 3] and len(metrics(run)[3]["rank_busy_time"]) == 1
+    log = e2e.launch(run, "--run.sharding=fsdp", f"--dump={tmp_path / 'two.pt'}", script=str(script))
     assert "written by 1 rank(s), this run has 2" in log
-    same_state(tmp_path / "two.pt", run / "checkpoints" / "step_000003")
+    same_state(tmp_path / "two.pt", run / "checkpoints" / "step_000004")
 
 
 @pytest.fixture
