@@ -15,8 +15,7 @@ from __future__ import annotations
 import torch
 
 from nanospec.engine.sequence import Sequence
-from nanospec.drafters.base import Drafter, Proposal
-from nanospec.drafters.base import check_budget
+from nanospec.drafters.base import Drafter, Proposal, check_budget
 
 
 class ChainDrafter(Drafter):

@@ -40,7 +40,7 @@ from torch import nn
 from nanospec.drafters.base import DraftTarget, Proposal
 from nanospec.drafters.model_drafter import ModelDrafter
 from nanospec.engine.sequence import Sequence
-from nanospec.models.decoder import CausalLM, DecoderLayer, ModelArgs, RMSNorm
+from nanospec.models.decoder import CausalLM, DecoderLayer, RMSNorm
 
 SHAPE_KEYS = ("arch", "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim")
 REG_WEIGHT = 0.1     # feature regression beside the KL (EAGLE weighs its two losses 1 : 0.1 the other way)
@@ -130,10 +130,10 @@ def load_head(path, target: CausalLM, where: str = "speculative[head].model") ->
     return head
 
 
-def check_draft_vocab(draft_vocab, vocab_size: int, where: str = "speculative[head].draft_vocab") -> None:
+def check_draft_vocab(draft_vocab, vocab_size: int) -> None:
     if draft_vocab is not None and not (isinstance(draft_vocab, int) and 1 <= draft_vocab <= vocab_size):
-        raise ValueError(f"{where}: expected null or an int in [1, {vocab_size}] (the model's vocabulary), "
-                         f"got {draft_vocab!r}")
+        raise ValueError(f"speculative[head].draft_vocab: expected null or an int in [1, {vocab_size}] "
+                         f"(the model's vocabulary), got {draft_vocab!r}")
 
 
 def frequent_tokens(sequences: list[list[int]], n: int, always=()) -> torch.Tensor:

@@ -155,8 +155,7 @@ def quantize_policy(policy: nn.Module) -> tuple[nn.Module, dict[str, nn.Module]]
     """-> (NF4 copy of `policy` sharing all non-quantized Parameters, {module name: Linear4bit}).
 
     deepcopy with every Parameter pre-seeded in the memo copies the module tree but no weights. A layer
-    whose in_features is not a multiple of 32 stays the policy's own full-precision Linear (shared, so
-    a weight sync updates it too), and a warning names each one: any hidden size works."""
+    no block size fits stays the policy's own (shared) Linear, as the module docstring says."""
     model = copy.deepcopy(policy, memo={id(p): p for p in policy.parameters()})
     quantized, kept = {}, []
     for name, mod in list(model.named_modules()):

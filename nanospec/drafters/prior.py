@@ -31,8 +31,7 @@ from collections import Counter, deque
 import torch
 
 from nanospec.engine.sequence import Sequence
-from nanospec.drafters.base import Drafter, Proposal
-from nanospec.drafters.base import check_budget
+from nanospec.drafters.base import Drafter, Proposal, check_budget
 
 
 class _Entry:

@@ -50,8 +50,7 @@ def canonical(method):
     return ALIASES.get(method, method)
 
 
-def rules(spec, key: str = "speculative", default_k: int | None = DEFAULT_DRAFT_TOKENS,
-          warn: bool = False) -> list[tuple]:
+def rules(spec, default_k: int | None = DEFAULT_DRAFT_TOKENS, warn: bool = False) -> list[tuple]:
     """(dotted key, ok, expected, value) for a speculative spec: None, a method dict or a list of them.
     default_k=None requires num_draft_tokens (config files state it). warn: say so when an option is
     lossy (prior-rollout lenience > 1); the drafter itself warns again when it is built."""
@@ -59,10 +58,11 @@ def rules(spec, key: str = "speculative", default_k: int | None = DEFAULT_DRAFT_
         return []
     specs = spec if isinstance(spec, list) else [spec]
     if not specs or not all(isinstance(s, dict) for s in specs):
-        return [(key, False, "null, a {method, num_draft_tokens, ...} dict or a non-empty list of them", spec)]
+        return [("speculative", False, "null, a {method, num_draft_tokens, ...} dict or a non-empty list of them",
+                 spec)]
     out = []
     for i, s in enumerate(specs):
-        at = f"{key}[{i}]" if isinstance(spec, list) else key
+        at = f"speculative[{i}]" if isinstance(spec, list) else "speculative"
         m, k = canonical(s.get("method")), s.get("num_draft_tokens", default_k)
         out.append((f"{at}.method", m in METHODS, f"one of {', '.join(METHODS)}", s.get("method")))
         out.append((f"{at}.num_draft_tokens", isinstance(k, int) and not isinstance(k, bool) and k >= 1,
@@ -89,8 +89,8 @@ def rules(spec, key: str = "speculative", default_k: int | None = DEFAULT_DRAFT_
     return out
 
 
-def check(spec, key: str = "speculative") -> None:
-    for field, ok, expected, value in rules(spec, key):
+def check(spec) -> None:
+    for field, ok, expected, value in rules(spec):
         if not ok:
             raise ValueError(f"{field}: expected {expected}, got {value!r}")
 

@@ -199,12 +199,7 @@ class _Trie:
               ) -> tuple[list[int], list[float], float]:
         """-> (draft tokens, each one's estimated probability given the path before it, their
         expected accepted length: the sum of the path probabilities, SuffixDecoding's score).
-        From the longest suffix of node's string that has a continuation, down the most frequent
-        child while the path probability stays >= min_prob. A token seen c times among the n
-        continuations of an m-token context is estimated c / (n + shrink / m): a frequency from a
-        few continuations of a short match overstates (shrink = 0: the frequency itself). A path
-        that reaches depth D (no children: the depth limit, not the end of a text) goes on from its
-        suffix of D - 1 tokens, so a draft's length is bounded by k and alpha, not by D."""
+        The walk, the estimate c / (n + shrink / m) and the depth rule: the module docstring."""
         D = self.depth
         while node is not self.root:       # no continuation here: retry with a shorter match
             cur = node.best
@@ -275,8 +270,7 @@ class SuffixDrafter(Drafter):
         self._match: dict[int, dict[str, tuple]] = {}          # seq_id -> slot -> (trie, version, len, node)
 
     def tree(self, seq: Sequence) -> _Trie:
-        """The trie of seq's prompt, ready to read (what observe() left in todo inserted), now the most
-        recently used."""
+        """`_touch`, then what observe() left in todo inserted: the trie is ready to read."""
         tree = self._touch(seq)
         self._flush(tree)
         return tree

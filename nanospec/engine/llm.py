@@ -467,9 +467,7 @@ class LLM:
         sharded trainer then never holds the engine's weights and its gradients at once): each
         storage shrinks to 0 bytes, the tensors stay (so drafters' and modules' references hold), and
         `wake_up` re-allocates them uninitialised; `load_weights` must fill them before any request. From
-        then on (CPU fp32) each decoder layer's weight is freed once its prepacked copy is built
-        (`cpu_linear.PackedLinear.keep_weight`): the engine holds one copy of its weights, not two, and
-        `load_weights` restores what it writes."""
+        then on (CPU fp32) a layer keeps only its prepacked copy (`cpu_linear.PackedLinear.keep_weight`)."""
         if self.scheduler.has_work():
             raise RuntimeError("sleep: requests are still running; finish or abort them first")
         self.blocks.reset_prefix_cache()     # the cached prompt KV goes with the pool

@@ -1,9 +1,8 @@
 """HF directory <-> CausalLM: config.json + (sharded) safetensors in, the same layout out.
 
 Files hold HF names (q_proj, k_proj, ...); the model fuses q|k|v and gate|up (decoder.py), so both go
-through `to_hf`'s split views: loading copies into them, saving writes them. Errors always name the HF key.
-
-Errors name the file and key, because a wrong checkpoint directory is the most common first bug.
+through `to_hf`'s split views: loading copies into them, saving writes them. Errors name the file and
+the HF key, because a wrong checkpoint directory is the most common first bug.
 """
 from __future__ import annotations
 

@@ -262,9 +262,7 @@ class Trainer:
         longest = longest_prompt(self.tokenizer, self.pool + self.test_set, self.policy.args.max_position_embeddings)
         max_len = longest + g.max_completion_length + 1
         r = cfg.rollout
-        # fp32 rollouts share the policy's tensors (one copy of the weights; the optimizer's in-place
-        # updates are what the engine reads next step); another dtype, or a sharded policy, needs the
-        # engine's own copy
+        # the engine shares the policy's tensors where it can (module docstring), else holds its own copy
         shared = r.dtype == "float32" and not r.use_cuda_graphs and not g.max_staleness and not self.sharded
         self.llm = LLM(self.policy if shared else load_model(self.init_path, r.dtype, dev), self.tokenizer,
                        dtype=r.dtype, device=dev,

@@ -78,8 +78,8 @@ def no_gc_pauses():
     """Python's cyclic collector stops the world for a long time in its generation-2 passes here (the
     suffix tries and caches hold very many tracked objects; gc.callbacks shows it). In a rollout such a
     pause on an early rank lands in its bubble step, which then ends late and holds up every rank.
-    So the collector is off while rollouts run;
-    reference counting still frees acyclic garbage, and the collector resumes after the rollout."""
+    So the collector is off while rollouts run; reference counting still frees acyclic garbage, and
+    the collector resumes after the rollout."""
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -191,7 +191,6 @@ class RolloutWorker:
         p(x) (engine/verify.py), which the mode maximises, and all G samples of the group verify against
         the same draft, so one greedy draft serves the group better than G sampled ones (more accepted
         bubble tokens per generated one).
-        The draft never changes what is sampled: verification is exact for any draft.
         Order: this rank's round-robin share of the upcoming prompts by decreasing predicted length
         (long prompts set the next step's tail; ranks start on different prompts), then the rest.
         At most `cap` bubble sequences run at once, admitted a few per engine step: a bubble step must

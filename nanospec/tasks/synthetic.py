@@ -163,4 +163,3 @@ class SyntheticTask:
         """The right final answer reached through the right working (reward == 1)."""
         final, frac = self._score(problem, completion)
         return final and frac == 1
-
