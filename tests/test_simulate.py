@@ -227,7 +227,13 @@ def test_bad_input_names_the_file_and_key(tmp_path, capsys):
     run = write_run(tmp_path, drop="prompt_lens")
     with pytest.raises(ValueError, match="missing key 'prompt_lens'.*--prompt-len"):
         sim.read_run(str(run), None)
-    assert sim.read_run(str(run), 16.0)[0][0][1][0]["groups"][0][0] == 16.0
+    assert sim.read_run(str(run), 16)[0][0][1][0]["groups"][0][0] == 16
+    assert sim.main(["--run", str(run), "--model", str(run / "model.json"), "--hardware", "h100",
+                     "--prompt-len", "16"]) == 0         # the whole CLI: prompt tokens are a count (range())
+    run, hw = write_run(tmp_path, drop="rank_time_propose"), tmp_path / "hw.json"   # drafting not timed
+    hw.write_text(json.dumps(sim.asdict(sim.replace(sim.PRESETS["h100"], name="saved calibration"))))
+    assert sim.main(["--run", str(run), "--model", str(run / "model.json"), "--hardware", str(hw)]) == 0
+    assert "rank decode + host" in capsys.readouterr().out
     run = write_run(tmp_path, bad_config=True)
     with pytest.raises(ValueError, match=r"model\.json: missing key 'hidden_size'"):
         sim.ModelShape.from_config(*sim.load_model_config(str(run / "model.json")))

@@ -25,9 +25,8 @@ import sys
 from nanospec.config import read_jsonl
 
 DPI = 80
-STR_KEYS = {"speculative"}          # string or null
-BOOL_KEYS = {"lossy"}               # bool or null
-# everything else: number, list of numbers (per-rank `rank_*` keys must be lists), or null
+# keys of another type than a number, or null; the rest: numbers or lists of them (`rank_*`: lists)
+TYPED_KEYS = {"speculative": (str, "a string or null"), "lossy": (bool, "true/false")}
 
 
 def _is_num(v) -> bool:
@@ -40,10 +39,9 @@ def _check_value(key: str, v) -> str | None:
         return None if isinstance(v, int) and not isinstance(v, bool) else f"expected an integer, got {v!r:.40}"
     if v is None:
         return None
-    if key in STR_KEYS:
-        return None if isinstance(v, str) else f"expected a string or null, got {v!r:.40}"
-    if key in BOOL_KEYS:
-        return None if isinstance(v, bool) else f"expected true/false, got {v!r:.40}"
+    if key in TYPED_KEYS:
+        kind, what = TYPED_KEYS[key]
+        return None if isinstance(v, kind) else f"expected {what}, got {v!r:.40}"
     if isinstance(v, list):
         bad = [x for x in v if not _is_num(x)]
         return f"non-numeric value {bad[0]!r:.40} in list" if bad else None
@@ -82,6 +80,12 @@ def _mean(xs):
     return sum(xs) / len(xs) if xs else None
 
 
+def _mean_std(xs):
+    """Mean and sample standard deviation of two or more numbers (seeds of one arm)."""
+    mu = sum(xs) / len(xs)
+    return mu, math.sqrt(sum((x - mu) ** 2 for x in xs) / (len(xs) - 1))
+
+
 def _rank_list(r, key):
     return r[key] if isinstance(r.get(key), list) else None
 
@@ -105,39 +109,31 @@ def _step_parts(r):
 def headline(recs) -> dict:
     """Headline numbers (None where the metric is missing)."""
     rew = _series(recs, "reward_mean")[1]
-    bub = sum(sum(_rank_list(r, "rank_bubble_time") or []) for r in recs)
-    drf = sum(sum(_rank_list(r, "rank_bubble_draft_time") or []) for r in recs)
-    rank_time = sum(_step_parts(r)[0] * len(_busy(r)) for r in recs)
-    rec_frac = _mean(_series(recs, "bubble_recovered_frac")[1])
+    total = lambda key: sum(sum(_rank_list(r, key) or []) for r in recs)     # over ranks and steps
+    mean = lambda key: _mean(_series(recs, key)[1])
+    bub, rank_time = total("rank_bubble_time"), sum(_step_parts(r)[0] * len(_busy(r)) for r in recs)
+    rec_frac = mean("bubble_recovered_frac")
     if rec_frac is None and bub > 0 and any("rank_bubble_draft_time" in r for r in recs):
-        rec_frac = drf / bub
+        rec_frac = total("rank_bubble_draft_time") / bub
+    pos = [mean(f"drafter/head/accept_pos{j}") for j in range(1, 5)]    # the draft head's, None without one
+    loss = _series(recs, "head/loss")[1]
     return {
         "steps": len(recs),
         "mean reward, first step": rew[0] if rew else None,
         "mean reward, last step": rew[-1] if rew else None,
         "bubble share of rank rollout time": bub / rank_time if rank_time > 0 and bub > 0 else None,
         "bubble fraction recovered": rec_frac,
-        "bubble share spent training the draft head":
-            sum(sum(_rank_list(r, "rank_bubble_train_time") or []) for r in recs) / bub if bub > 0 else None,
-        "mean accepted length": _mean(_series(recs, "mean_accepted_len")[1]),
-        "target forwards per token": _mean(_series(recs, "target_forwards_per_token")[1]),
-        "rollout time per step (s)": _mean(_series(recs, "time_rollout")[1]),
-        "step time (s)": _mean(_series(recs, "time_step")[1]),
-        "tokens/s": _mean(_series(recs, "tokens_per_s")[1]),
-        "draft head: acceptance at positions 1-4": _head_positions(recs),
-        "draft head: loss, first / last step": _first_last(_series(recs, "head/loss")[1]),
-        "draft head: training time per step (s)": _mean(_series(recs, "head/time")[1]),
+        "bubble share spent training the draft head": total("rank_bubble_train_time") / bub if bub > 0 else None,
+        "mean accepted length": mean("mean_accepted_len"),
+        "target forwards per token": mean("target_forwards_per_token"),
+        "rollout time per step (s)": mean("time_rollout"),
+        "step time (s)": mean("time_step"),
+        "tokens/s": mean("tokens_per_s"),
+        "draft head: acceptance at positions 1-4": None if pos[0] is None else
+            " / ".join("-" if p is None else f"{p:.2f}" for p in pos),
+        "draft head: loss, first / last step": f"{loss[0]:.3f} / {loss[-1]:.3f}" if loss else None,
+        "draft head: training time per step (s)": mean("head/time"),
     }
-
-
-def _head_positions(recs):
-    """The draft head's acceptance at draft positions 1-4 over the run (None without a head)."""
-    pos = [_mean(_series(recs, f"drafter/head/accept_pos{j}")[1]) for j in range(1, 5)]
-    return None if pos[0] is None else " / ".join("-" if p is None else f"{p:.2f}" for p in pos)
-
-
-def _first_last(xs):
-    return None if not xs else f"{xs[0]:.3f} / {xs[-1]:.3f}"
 
 
 def _figure(w, h):
@@ -328,10 +324,9 @@ def mean_over_runs(runs: list[list[dict]]) -> tuple[list[dict], dict]:
             vals = [r.get(k) for r in rows]
             nums = [float(v) for v in vals if _is_num(v) and math.isfinite(v)]
             if k != "step" and len(nums) == len(vals):
-                mu = sum(nums) / len(nums)
-                rec[k] = mu
+                rec[k] = sum(nums) / len(nums)
                 if len(nums) > 1:
-                    spread.setdefault(k, {})[st] = math.sqrt(sum((x - mu) ** 2 for x in nums) / (len(nums) - 1))
+                    spread.setdefault(k, {})[st] = _mean_std(nums)[1]
             elif all(isinstance(v, list) and len(v) == len(vals[0]) and all(map(_is_num, v)) for v in vals):
                 rec[k] = [sum(x) / len(x) for x in zip(*vals)]
             else:
@@ -360,8 +355,7 @@ def seed_table(arms: list[tuple[str, list[str], list[list[dict]]]]) -> list[str]
                          f"{f(recs[0].get('eval_before/reward_mean'))} | {f(a)} | {f(last.get('eval/accuracy'))} | "
                          f"{sum(r['time_step'] for r in recs if _is_num(r.get('time_step'))):.0f} |")
         if len(after) > 1:
-            mu = sum(after) / len(after)
-            sd = math.sqrt(sum((x - mu) ** 2 for x in after) / (len(after) - 1))
+            mu, sd = _mean_std(after)
             lines.append(f"| {label} | **mean +- std of {len(after)}** | | | {mu:.3f} +- {sd:.3f} | | |")
         finals.append(after)
     if len(finals) > 1 and min(len(finals[0]), len(finals[1])) > 1:

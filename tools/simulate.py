@@ -122,17 +122,12 @@ class ModelShape:
                 raise ValueError(f"{where}: missing key {k!r}")
         H = cfg["num_attention_heads"]
         dtype = dtype or cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"
+        if dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"{where}: dtype {dtype!r}: expected float32, bfloat16 or float16")
         return cls(cfg.get("_name_or_path") or Path(where).parent.name or where, cfg["num_hidden_layers"],
                    cfg["hidden_size"], H, cfg.get("num_key_value_heads") or H,
                    cfg.get("head_dim") or cfg["hidden_size"] // H, cfg["intermediate_size"], cfg["vocab_size"],
-                   cfg.get("tie_word_embeddings", cfg.get("model_type") != "llama"),
-                   _dtype_bytes(dtype, where))
-
-
-def _dtype_bytes(dtype: str, where: str) -> int:
-    if dtype not in ("float32", "bfloat16", "float16"):
-        raise ValueError(f"{where}: dtype {dtype!r}: expected float32, bfloat16 or float16")
-    return 4 if dtype == "float32" else 2
+                   cfg.get("tie_word_embeddings", cfg.get("model_type") != "llama"), 4 if dtype == "float32" else 2)
 
 
 # config.json values of public checkpoints (Qwen/Qwen3-8B, meta-llama/Llama-3.1-8B)
@@ -258,9 +253,9 @@ def weight_sync_time(hw: Hardware, m: ModelShape, colocated: bool, shared: bool 
     Disaggregated (async): the weights are broadcast to the generation group over one direction of
     the interconnect (a pipelined broadcast costs about one transfer)."""
     nbytes = m.params * m.dtype_bytes
-    if colocated and shared:
-        return 0.0
-    return 2 * nbytes / (hw.mem_bw * hw.bw_eff) if colocated else nbytes / (hw.interconnect_bw / 2)
+    if not colocated:
+        return nbytes / (hw.interconnect_bw / 2)
+    return 0.0 if shared else 2 * nbytes / (hw.mem_bw * hw.bw_eff)
 
 
 # ---- memory per rank -----------------------------------------------------------------------------------
@@ -283,9 +278,8 @@ def memory_rows(m: ModelShape, ranks: int, kv_tokens: int, device_bytes: float) 
         n = ranks if sharding == "fsdp" else 1
         weights, grads, opt = 4 * P / n, 4 * P / n, 8 * P / n
         gathered = 2 * layer if n > 1 else 0.0
-        train = weights + grads + opt + gathered + (engine if sleep == 1 else 0.0)
-        roll = weights + opt + engine + kv
-        peak = max(train, roll)
+        peak = max(weights + grads + opt + gathered + (engine if sleep == 1 else 0.0),   # training
+                   weights + opt + engine + kv)                                          # rolling out
         rows.append(dict(sharding=sharding, sleep_level=sleep, weights_gib=weights / G, grads_gib=grads / G,
                          optimizer_gib=opt / G, engine_gib=engine / G, kv_gib=kv / G, peak_gib=peak / G,
                          fits=peak <= device_bytes))
@@ -452,7 +446,7 @@ TRACE_KEYS = ("response_lens", "prompt_rank", "seq_forwards", "generated_tokens"
               "proposed_tokens", "accepted_tokens")
 
 
-def check_step(r: dict, where: str, prompt_len: float | None, head_cap: int | None = None) -> dict:
+def check_step(r: dict, where: str, prompt_len: int | None, head_cap: int | None = None) -> dict:
     """A metrics line -> {groups per prompt, prompt lens, ranks, spec}; ValueError naming file and key."""
     for k in TRACE_KEYS + (() if prompt_len else ("prompt_lens",)):
         if k not in r:
@@ -476,7 +470,7 @@ def check_step(r: dict, where: str, prompt_len: float | None, head_cap: int | No
                 measured=r)
 
 
-def read_run(path: str, prompt_len: float | None) -> tuple[list[dict], dict]:
+def read_run(path: str, prompt_len: int | None) -> tuple[list[dict], dict]:
     """RUN_DIR (metrics.jsonl + config.yaml) or a bench JSON whose rows keep their `steps` ->
     ([(label, [step traces])]..., config dict)."""
     p = Path(path)
@@ -680,20 +674,12 @@ def calibrate(cfg: dict, threads: int, where: str, sync=lambda: None, light: boo
               device: str = "cpu") -> Hardware:
     """Fit Hardware to this CPU with nanospec's own code on a random model of this shape (fp32, one
     process, `threads` torch threads; ~1 min, then cached by `calibrated`); device="cuda": to its GPU
-    (the engine in bf16 with CUDA graphs, the trainer in fp32 there, every timing after a synchronize):
-      1. LLM.time_forward over a (B, C, Q) grid -> flops, mem_bw and the forward's own overheads
-         (least squares on log time: every batch size counts alike; on CPU compute and memory add,
-         Hardware.overlap); a fresh draft head's forwards -> their host time beyond the roofline;
-         on CPU, a forward after an in-place weight update -> the linears' repack (repack_s_per_param);
-      2. engine steps of GRPO-like drains (the trainer's drafters and controller): greedy AR, then
-         verify steps whose drafts are all accepted -> host time per step and per row beyond the
-         forward; a verify step's extra; the drafters' measured propose() time per drafting row;
-      3. trainer steps (grpo.completion_logprobs over micro_batches, TIS + the clipped surrogate,
-         backward; then the gradient all-reduce, clipping, AdamW, each timed apart) on varied lengths ->
-         train_mfu, train_overhead_s, and interconnect_bw: the ranks' gloo all-reduce where they form a
-         group (CPU, several ranks), else a tensor copy (ranks on one host exchange through its memory).
-    light: the same phases on a smaller grid, shorter drains and fewer trainer steps (a real model);
-    log: called with each phase's elapsed time (progress)."""
+    (the engine in bf16 with CUDA graphs, the trainer in fp32 there, every timing after a synchronize).
+    Three phases, each fitting its own fields: the forward's roofline (`_fit_roofline`, then the CPU's
+    repack and a draft head's host time), the engine's host time (`_fit_engine_overheads`), the trainer
+    (`_fit_trainer`); without a process group the interconnect is a tensor copy (ranks on one host
+    exchange through its memory). light: a smaller grid, shorter drains and fewer trainer steps (a real
+    model); log: called with each phase's elapsed time (progress)."""
     import numpy as np
     import torch
     torch.set_num_threads(threads)
@@ -756,7 +742,8 @@ def _fit_relative(X, y, t):
 
 
 def _fit_roofline(llm, m: ModelShape, maxlen: int, med, light: bool, gpu: bool, sync, done) -> Hardware:
-    """Phase 1: LLM.time_forward over a (B, C, Q) grid -> flops, mem_bw, step, row and verify overheads."""
+    """Phase 1: LLM.time_forward over a (B, C, Q) grid -> flops, mem_bw, step, row and verify overheads
+    (least squares on log time: every batch size counts alike; on CPU compute and memory add)."""
     import numpy as np
     from scipy.optimize import least_squares
     grid = ([(B, C, Q) for B in (1, 4, 16) for C in (16, maxlen // 2, maxlen * 3 // 4) for Q in (1, 5)] if light else
@@ -960,8 +947,11 @@ def validate(label: str, trace: list[dict], res: dict) -> list[dict]:
     # by part, mean over ranks (runs that recorded them): engine forwards (decode: verify and the step's
     # host work), drafting, the trainer's forward + backward; `other` has no predicted counterpart
     rank_mean = lambda r, k: _mean(r.get(k) or [None])
-    other = lambda r: (rank_mean(r, "rank_busy_time") - sum(rank_mean(r, f"rank_time_{k}")
-                                                           for k in ("prefill", "decode", "propose")))
+
+    def other(r):        # busy time outside the recorded parts (a part a run did not record counts 0)
+        busy = rank_mean(r, "rank_busy_time")
+        parts = (rank_mean(r, f"rank_time_{k}") for k in ("prefill", "decode", "propose"))
+        return 0.0 if busy is None else busy - sum(t or 0.0 for t in parts)
     for key in ("prefill", "decode", "propose", "backward") if not off else ():
         meas = _mean([rank_mean(st["measured"], f"rank_time_{key}") for st in trace])
         if meas:
@@ -1022,7 +1012,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--gen-dp", type=int, help="async: ranks that generate (default: the best split)")
     ap.add_argument("--max-seqs", type=int, help="sequences per engine (default: the run's, else 256)")
-    ap.add_argument("--prompt-len", type=float, help="prompt tokens where the trace has no 'prompt_lens'")
+    ap.add_argument("--prompt-len", type=int, help="prompt tokens where the trace has no 'prompt_lens'")
     ap.add_argument("--skip", type=int, default=1, help="--run: leading warm-up steps left out")
     ap.add_argument("--mode", default="both", choices=("sync", "async", "both"))
     ap.add_argument("--out", help="write the results as JSON here")
