@@ -76,14 +76,17 @@ def plan_drafts(probs: list[list[float]], worth: list[float], t_ar: float, token
     verifying only what is spent. -> (k per row, V / T of the plan)."""
     plain = t_ar / (t_ar + spent)             # verifying only what is already committed
     T0, K_max = t_ar + spent + (0.0 if spent else verify_overhead) + draft_seconds, max(map(len, probs), default=0)
-    # Two O(B * K) bounds, no sort, answer most steps where the rule declines to draft, as the loop
-    # would: it first tests each K's largest gain against its T (the largest of all failing at the
-    # largest T keeps nothing), and no plan's V / T beats every gain kept over T0 (1e-9: float sums).
-    # gains: (worth * p / s, row i, position j), in the loop's order; the loop takes those with j < K.
-    gains = [(w * p / min_speedup, i, j) for i, (w, row) in enumerate(zip(worth, probs)) for j, p in enumerate(row)]
-    if max((g for g, _, _ in gains), default=0.0) * (T0 + per_forward * K_max) < token_cost * t_ar or \
-            (t_ar + sum(g for g, _, _ in gains if g > 0)) * (1 + 1e-9) < plain * T0:
+    # Two bounds, no sort, answer most steps where the rule declines to draft, as the loop would: it
+    # first tests each K's largest gain against its T (the largest of all failing at the largest T
+    # keeps nothing), and no plan's V / T beats every gain kept over T0 (1e-9: float sums). A row's
+    # largest gain is at its first or last draft (p non-increasing), and its gains sum to
+    # worth * sum(p) / s: O(B) Python, the step's common case, before the O(B * K) list of gains.
+    largest = max((max(w * row[0], w * row[-1]) / min_speedup for w, row in zip(worth, probs) if row), default=0.0)
+    total = sum(w * sum(row) for w, row in zip(worth, probs) if w > 0) / min_speedup
+    if largest * (T0 + per_forward * K_max) < token_cost * t_ar or (t_ar + total) * (1 + 1e-9) < plain * T0:
         return [0] * len(probs), plain
+    # gains: (worth * p / s, row i, position j), in the loop's order; the loop takes those with j < K
+    gains = [(w * p / min_speedup, i, j) for i, (w, row) in enumerate(zip(worth, probs)) for j, p in enumerate(row)]
     plans = []
     for K in range(1, K_max + 1) if per_forward else [None]:
         V, T, keep = t_ar, T0 + per_forward * (K or 0), [0] * len(probs)
