@@ -58,6 +58,7 @@ class E2E:
     def launch(self, out, *extra, fault=None, ok=True, nodes=1, procs=2, script="train.py") -> str:
         """`script` on nodes x procs ranks (nodes > 1: one torchrun per node, c10d rendezvous on this box),
         run into `out`; fault: tools/faults.py kills a rank (NANOSPEC_FAULT). -> the launches' output."""
+        import signal
         import socket
         import subprocess
         from tools.soak import RUN
@@ -75,9 +76,14 @@ class E2E:
                      "--rdzv-id=nanospec-test", *args] for _ in range(nodes)]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "NANOSPEC_FAULT": fault or "",
                "PYTHONPATH": str(ROOT)}                   # a script outside the repo imports nanospec
-        ps = [subprocess.Popen(c, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-              for c in cmds]
-        logs = [p.communicate(timeout=600)[0] for p in ps]
+        ps = [subprocess.Popen(c, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                               start_new_session=True) for c in cmds]
+        try:
+            logs = [p.communicate(timeout=600)[0] for p in ps]
+        finally:                  # a hung launch: its ranks too, not only torchrun, or they outlive the test
+            for p in ps:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
         rcs = [p.returncode for p in ps]
         assert all(rc == 0 for rc in rcs) == ok, f"fault={fault} rc={rcs}\n" + "\n".join(log[-3000:] for log in logs)
         return "\n".join(logs)
