@@ -1,5 +1,9 @@
-"""Shared fixtures: tiny random HF models (built with transformers, saved to a temp dir)."""
+"""Shared fixtures: tiny random HF models (built with transformers, saved to a temp dir) and the torchrun runs
+of the end-to-end tests (`E2E`)."""
 import os
+import signal
+import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -55,16 +59,16 @@ class E2E:
         write_profile(root / "profile.json")
         self.launch(root / "sft_run", "--sft-only")
 
+    def args(self, out, *extra) -> list[str]:
+        """The short run's arguments into `out`, on this session's SFT model and cost model."""
+        from tools.soak import RUN
+        return [*RUN, f"--run.out_dir={out}", f"--sft.out_dir={self.root / 'sft'}",
+                f"--speculation.latency_profile={self.root / 'profile.json'}", *extra]
+
     def launch(self, out, *extra, fault=None, ok=True, nodes=1, procs=2, script="train.py") -> str:
         """`script` on nodes x procs ranks (nodes > 1: one torchrun per node, c10d rendezvous on this box),
         run into `out`; fault: tools/faults.py kills a rank (NANOSPEC_FAULT). -> the launches' output."""
-        import signal
-        import socket
-        import subprocess
-        from tools.soak import RUN
-        args = [*(["-m", "tools.faults"] if fault else []), script, *RUN, f"--run.out_dir={out}",
-                f"--sft.out_dir={self.root / 'sft'}", f"--speculation.latency_profile={self.root / 'profile.json'}",
-                *extra]
+        args = [*(["-m", "tools.faults"] if fault else []), script, *self.args(out, *extra)]
         run = [str(ROOT / ".venv" / "bin" / "python"), "-m", "torch.distributed.run", f"--nproc_per_node={procs}"]
         if nodes == 1:
             cmds = [[*run, "--standalone", *args]]

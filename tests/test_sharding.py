@@ -14,7 +14,7 @@ import torch
 
 from conftest import ROOT
 from nanospec.config import read_jsonl
-from tools.soak import RUN, untimed
+from tools.soak import untimed
 
 PY = str(ROOT / ".venv" / "bin" / "python")
 NONE, OFF = ("--run.sharding=none",), ("--run.sharding=none", "--grpo.max_staleness=1")
@@ -130,7 +130,9 @@ def saved_state(ck):
 def same_state(dump, ck) -> None:
     model, opt = saved_state(ck)
     got = torch.load(dump, weights_only=False)
-    assert got["model"].keys() == model.keys() and all(torch.equal(got["model"][k], model[k]) for k in model)
+    assert got["model"].keys() == model.keys()
+    assert all(torch.equal(got["model"][k], model[k]) for k in model), \
+        [k for k in model if not torch.equal(got["model"][k], model[k])][:5]
     assert got["optimizer"].keys() == opt.keys()
     for k, st in opt.items():
         assert all(torch.equal(torch.as_tensor(got["optimizer"][k][s]), torch.as_tensor(v)) for s, v in st.items()), k
@@ -147,21 +149,21 @@ def test_fsdp_resumes_at_another_world_size(runs, tmp_path):
     shutil.rmtree(run / "checkpoints" / "step_000004")
     script = tmp_path / "dump.py"
     script.write_text(DUMP)
-    common = [*RUN, f"--sft.out_dir={e2e.root / 'sft'}", f"--speculation.latency_profile={e2e.root / 'profile.json'}",
-              f"--run.out_dir={run}", "--run.sharding=fsdp"]
+    common = e2e.args(run, "--run.sharding=fsdp")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     p = subprocess.run([PY, str(script), *common, f"--dump={tmp_path / 'one.pt'}"], cwd=ROOT,
                        capture_output=True, text=True, timeout=600, env=env)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
-    assert "written by 2 rank(s), this run has 1" in p.stdout and "rebuilt, not merged" in p.stdout
+    assert "written by 2 rank(s), this run has 1" in p.stdout and "rebuilt, not merged" in p.stdout, p.stdout[-3000:]
     same_state(tmp_path / "one.pt", run / "checkpoints" / "step_000002")
     # world 1 trains the last two steps and saves them; 2 ranks resume from that
     p = subprocess.run([PY, "train.py", *common, "--resume"], cwd=ROOT, capture_output=True, text=True,
                        timeout=600, env=env)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
-    assert [r["step"] for r in metrics(run)] == [0, 1, 2, 3] and len(metrics(run)[3]["rank_busy_time"]) == 1
+    assert [r["step"] for r in metrics(run)] == [0, 1, 2, 3] and len(metrics(run)[3]["rank_busy_time"]) == 1, \
+        p.stdout[-3000:]
     log = e2e.launch(run, "--run.sharding=fsdp", f"--dump={tmp_path / 'two.pt'}", script=str(script))
-    assert "written by 1 rank(s), this run has 2" in log
+    assert "written by 1 rank(s), this run has 2" in log, log[-3000:]
     same_state(tmp_path / "two.pt", run / "checkpoints" / "step_000004")
 
 
