@@ -2,6 +2,7 @@
 assumed), the async pipeline, the CLI on a tiny synthetic run, presets, and bad input."""
 import json
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -250,7 +251,22 @@ def test_light_calibration_times_each_part_on_a_tiny_model():
     backward sets train_mfu through the origin, and without a process group the interconnect is a copy."""
     hw = sim.calibrate(dict(TINY, max_position_embeddings=256), 1, "tiny", light=True)
     assert hw.overlap is False and hw.flops > 0 and hw.mem_bw > 0 and hw.interconnect_bw > 0
-    assert hw.train_mfu > 0 and hw.train_overhead_s >= 0 and hw.draft_seq_s >= 0
+    assert hw.train_mfu > 0 and hw.train_overhead_s >= 0 and hw.draft_token_s > 0
     assert min(hw.step_overhead_s, hw.seq_overhead_s, hw.verify_overhead_s) >= 0
     lens = [(40, 100)] * 8
     assert sim.train_compute(hw, sim.ModelShape.from_config(TINY, "tiny"), [lens, []], False)[1] == 0.0
+
+
+def test_engine_step_prices_the_engines_padding():
+    """The replay pads an engine step as engine/runner.py does: keys to the longest row, a wide step's
+    queries to the widest row; the linears see only the real tokens."""
+    from nanospec.engine.paged_attention import SMALL_Q
+    assert sim.SMALL_Q == SMALL_Q
+    m, hw = sim.ModelShape.from_config(TINY, "tiny"), sim.Hardware("cpu", 1e9, 1e9, 1e9, overlap=False)
+    # two rows of 1 query token after 10 and 30 cached: both read 31 keys and score 31 pairs
+    assert sim.engine_step(hw, m, 1, [1, 1], [10, 30]) == sim.step_time(hw, m, 1, 2, 2, 62 - 2, 2 * 31)
+    # a prefill of prompts of 40 and 4 tokens: SDPA runs [2, 40, 40]
+    assert sim.engine_step(hw, m, 1, [40, 4], [0, 0]) == sim.step_time(hw, m, 1, 2, 44, 80 - 44, 2 * 40 * 40)
+    # varlen kernels (the GPU presets): each row its own keys, causal pairs among the new tokens
+    varlen = replace(hw, padded=False)
+    assert sim.engine_step(varlen, m, 1, [1, 1], [10, 30]) == sim.step_time(varlen, m, 1, 2, 2, 40, 10.5 + 30.5)

@@ -58,20 +58,21 @@ class Hardware:
     bw_eff: float = 1.0               # achievable fraction of peak bandwidth
     train_mfu: float = 1.0            # achievable fraction of peak FLOP/s in the trainer's forward + backward
     train_overhead_s: float = 0.0     # per optimizer step outside the FLOPs (rewards, batching, launches)
-    draft_seq_s: float = 0.0          # a history drafter's host time per drafting row per step
+    draft_token_s: float = 0.0        # a history drafter's host time per token its rows emit (propose())
     draft_step_overhead_s: float = 0.0  # a draft head's host time per forward (one per draft position)
     repack_s_per_param: float = 0.0   # CPU: the first engine step after a weight update re-lays out every linear
     overlap: bool = True              # compute and memory traffic overlap (GPU); False: they add (one CPU core)
+    padded: bool = True               # attention padded to a step's longest row (nanospec's engine); False: varlen
 
 
 # Peak numbers from NVIDIA's public data sheets (H100 SXM5 / H200 SXM: dense BF16 989 TFLOP/s without
 # sparsity, HBM3 3.35 TB/s / HBM3e 4.8 TB/s, NVLink 4 900 GB/s). The rest are assumptions, not
 # data-sheet numbers: 80% of HBM bandwidth in decode GEMVs, 60% of peak in verify GEMMs, 40% MFU in
-# training, 1 ms of host time per engine step (CUDA graphs on), and 20 us of host time per drafting
-# row for a history drafter (suffix: 14-42 us per row-step on the 2-core box, docs/results.md). One
+# training, 1 ms of host time per engine step (CUDA graphs on), and 10 us of host time per emitted
+# token for the history drafters (prior + suffix: 5-16 us per token on the 2-core box, docs/results.md). One
 # measurement: a draft head's eager forward took 1.05-1.95 ms on the H200 at B = 1-64, launch-bound
 # (docs/results.md, "The second GPU run"); 1.2 ms is its B=1-8 figure at a 0.5B shape.
-_GPU = dict(step_overhead_s=1e-3, flops_eff=0.6, bw_eff=0.8, train_mfu=0.4, draft_seq_s=2e-5,
+_GPU = dict(padded=False, step_overhead_s=1e-3, flops_eff=0.6, bw_eff=0.8, train_mfu=0.4, draft_token_s=1e-5,
             draft_step_overhead_s=1.2e-3)
 PRESETS = {"h100": Hardware("h100", 989e12, 3.35e12, 900e9, **_GPU),
            "h200": Hardware("h200", 989e12, 4.8e12, 900e9, **_GPU)}
@@ -167,6 +168,9 @@ class Layout:
 
 
 # ---- roofline ----------------------------------------------------------------------------------------
+SMALL_Q = 16      # engine/paged_attention.SMALL_Q: on CPU, steps up to this many query tokens a row skip SDPA
+
+
 def step_time(hw: Hardware, m: ModelShape, tp: int, rows: float, tokens: float, kv_read: float, pairs: float,
               verify: float = 0.0) -> float:
     """Seconds of one engine forward: `rows` sequences feed `tokens` query tokens (B*Q), read `kv_read`
@@ -182,6 +186,19 @@ def step_time(hw: Hardware, m: ModelShape, tp: int, rows: float, tokens: float, 
     comm = 2 * m.layers * tokens * m.hidden * m.dtype_bytes * 2 * (tp - 1) / tp / (hw.interconnect_bw / 2)
     body = max(compute, memory) if hw.overlap else compute + memory
     return body + comm + hw.step_overhead_s + hw.seq_overhead_s * rows + hw.verify_overhead_s * verify
+
+
+def engine_step(hw: Hardware, m: ModelShape, tp: int, qs: list, ctx: list, verify: float = 0.0) -> float:
+    """One engine forward: row b feeds qs[b] new tokens after ctx[b] cached ones. The linears see only
+    the real tokens. nanospec's engine (engine/runner.py; hw.padded) has every row gather the keys of
+    the step's longest sequence, and a step of wide queries (a prefill: Q > SMALL_Q) runs SDPA padded
+    to the widest row too (narrow ones score each row at its own width: paged_attention.query_groups);
+    varlen kernels (vLLM's, the GPU presets) read and score each row's own keys."""
+    B, N, Q = len(qs), sum(qs), max(qs)
+    if not hw.padded:
+        return step_time(hw, m, tp, B, N, sum(ctx), sum(q * (c + q / 2) for q, c in zip(qs, ctx)), verify)
+    C = max(c + q for q, c in zip(qs, ctx))
+    return step_time(hw, m, tp, B, N, B * C - N, (B * Q if Q > SMALL_Q else N) * C, verify)
 
 
 def update_time(hw: Hardware, params: int, ranks: int) -> tuple[float, float]:
@@ -318,13 +335,15 @@ class Spec:
     B and C (an adaptive controller) with acceptance `drafters[0]`'s a. `head`: a draft head of this
     shape drafts, and its forwards are priced: k per drafting step when choosing k; replayed, as the
     trace's `head_use` = (share of engine steps it drafts on, forwards on each, rows in each);
-    `head_training`: how the trainer updates it (speculation.head_training: step, bubble or off)."""
+    `head_training`: how the trainer updates it (speculation.head_training: step, bubble or off);
+    `history`: history drafters run (they walk and insert every token their rows emit, drafting or not)."""
     drafters: tuple = ()
     on: float = 0.0
     best_k: int = 0
     head: ModelShape | None = None
     head_use: tuple = (0.0, 0.0, 0.0)
     head_training: str = "step"
+    history: bool = False
 
     def draft_time(self, hw: Hardware, B: int, C: float, k: float) -> float:
         """A head's k forwards over B rows at context C (each one token a row: the catch-up rides on
@@ -334,24 +353,27 @@ class Spec:
         eager = replace(hw, step_overhead_s=hw.draft_step_overhead_s, seq_overhead_s=0.0, verify_overhead_s=0.0)
         return k * step_time(eager, self.head, 1, B, B, B * C, B * C)
 
-    def drafting_time(self, hw: Hardware, B: int, C: float, q: float, verify: float) -> float:
-        """One step's drafting beside the forward: the chosen k's head forwards (q - 1 drafts a row),
-        or, replaying a trace, the history drafters' host time per row and the head's expected forwards."""
+    def drafting_time(self, hw: Hardware, B: int, C: float, q: float, emitted: float) -> float:
+        """One step's drafting beside the forward: the history drafters' host time per emitted token
+        (propose() walks each row's new tokens and inserts the finished responses, whether or not the
+        step drafts), and the chosen k's head forwards (q - 1 drafts a row) or, replaying a trace, the
+        head's expected forwards."""
+        history = hw.draft_token_s * emitted if self.history else 0.0
         if self.best_k and self.head:
-            return self.draft_time(hw, B, C, q - 1)
+            return history + self.draft_time(hw, B, C, q - 1)
         share, k, rows = self.head_use
-        return hw.draft_seq_s * B * verify + (share * self.draft_time(hw, rows, C, k) if share else 0.0)
+        return history + (share * self.draft_time(hw, rows, C, k) if share else 0.0)
 
     def replay_q(self) -> float:
         """Query tokens per row of a replayed trace (1 + drafts per row-forward); 1 when choosing k."""
         return 1.0 if self.best_k else 1.0 + sum(f * k for f, k, _ in self.drafters)
 
     def choose(self, cost) -> tuple[float, float, float]:
-        """cost(q, verify) -> seconds; returns (query tokens per row, tokens emitted per row, verify share)."""
+        """cost(q, tau, verify) -> seconds; returns (query tokens per row, tokens emitted per row, verify share)."""
         if self.best_k:
             a = self.drafters[0][2]
             return max(((1.0 + k, leviathan(a, k), float(k > 0)) for k in range(self.best_k + 1)),
-                       key=lambda o: o[1] / cost(o[0], o[2]))
+                       key=lambda o: o[1] / cost(*o))
         return self.replay_q(), 1.0 + sum(f * (leviathan(a, k) - 1.0) for f, k, a in self.drafters), self.on
 
 
@@ -373,7 +395,8 @@ def spec_from_metrics(r: dict, head_cap: int | None = None) -> Spec:
         steps = r.get("drafter/head/propose_steps") or r.get("drafting_steps") or forwards
         depth = r.get("drafter/head/depth") or steps * (head_cap or r["drafter/head/proposed"] / v)
         use = (min(1.0, steps / forwards), depth / steps, v / steps)
-    return Spec(tuple(ds), r.get("spec_on_frac", 1.0 if ds else 0.0), head_use=use)
+    history = any(k.startswith("drafter/") and not k.startswith("drafter/head/") for k in r)
+    return Spec(tuple(ds), r.get("spec_on_frac", 1.0 if ds else 0.0), head_use=use, history=history)
 
 
 RANK_KEYS = ("rank_seq_forwards", "rank_verify_steps", "rank_proposed_tokens", "rank_accepted_tokens")
@@ -411,11 +434,11 @@ def drain(hw: Hardware, m: ModelShape, lay: Layout, groups: list, spec: Spec,
         if waiting and len(rem) < max_seqs:
             new = [waiting.popleft() for _ in range(min(len(waiting), max_seqs - len(rem)))]
             # speculative prefill (engine/llm.py): a replayed row's drafts ride in its prefill too
-            drafts = sum((r[1] if r else spec.replay_q()) - 1.0 for *_, r in new)
-            toks = sum(p if first else p - cached(p) for p, _, first, _ in new) + drafts
-            pairs = sum(p * p / 2 if first else (p - cached(p)) * p for p, _, first, _ in new)
-            kv = sum(0 if first else cached(p) for p, _, first, _ in new)
-            dt, part, draft = step_time(hw, m, tp, len(new), toks, kv, pairs, drafts > 0), "prefill", 0.0
+            drafts = [(r[1] if r else spec.replay_q()) - 1.0 for *_, r in new]
+            reused = [0 if first else cached(p) for p, _, first, _ in new]
+            qs = [p - c + d for (p, *_), c, d in zip(new, reused, drafts)]
+            draft = hw.draft_token_s * sum(r[0] if r else 1.0 for *_, r in new) if spec.history else 0.0
+            dt, part = engine_step(hw, m, tp, qs, reused, sum(drafts) > 0) + draft, "prefill"
             rem += [L - (r[0] if r else 1.0) for _, L, _, r in new]
             ctx += [p + 1.0 for p, *_ in new]
             rate += [r for *_, r in new]
@@ -423,13 +446,13 @@ def drain(hw: Hardware, m: ModelShape, lay: Layout, groups: list, spec: Spec,
             B = len(rem)
             if rates:                          # each row at its own measured rate
                 qs, taus, v = [q for _, q in rate], [tau for tau, _ in rate], spec.on
-                draft = spec.drafting_time(hw, B, sum(ctx) / B, 1.0, v)
-                dt = step_time(hw, m, tp, B, sum(qs), sum(ctx), sum(q * (c + q / 2) for q, c in zip(qs, ctx)), v) + draft
+                draft = spec.drafting_time(hw, B, sum(ctx) / B, 1.0, sum(taus))
+                dt = engine_step(hw, m, tp, qs, ctx, v) + draft
             else:
                 C = sum(ctx) / B
-                forward = lambda q, v: step_time(hw, m, tp, B, B * q, B * C, B * q * (C + q / 2), v)
-                q, tau, v = spec.choose(lambda q, v: forward(q, v) + spec.drafting_time(hw, B, C, q, v))
-                draft = spec.drafting_time(hw, B, C, q, v)
+                forward = lambda q, v: engine_step(hw, m, tp, [q] * B, ctx, v)
+                q, tau, v = spec.choose(lambda q, tau, v: forward(q, v) + spec.drafting_time(hw, B, C, q, B * tau))
+                draft = spec.drafting_time(hw, B, C, q, B * tau)
                 dt, taus = forward(q, v) + draft, [tau] * B
             part, rem, ctx = "decode", [x - u for x, u in zip(rem, taus)], [c + u for c, u in zip(ctx, taus)]
         if not steps:      # the policy moved since the last rollout: a CPU engine repacks its linears
@@ -525,8 +548,8 @@ def rollout(hw, m, lay, st, ranks: int, spec: Spec) -> dict:
     where = rank_of(st, ranks)
     replay = where is st["ranks"] and spec is st["spec"]
     per_rank, rates = (st.get("rank_specs"), st.get("rates")) if replay else (None, None)
-    if per_rank and spec.head:       # per-rank counters merge the drafters: the head's use is the step's
-        per_rank = [replace(s, head=spec.head, head_use=spec.head_use) for s in per_rank]
+    if per_rank:       # per-rank counters merge the drafters: which drafters ran and the head's use are the step's
+        per_rank = [replace(s, head=spec.head, head_use=spec.head_use, history=spec.history) for s in per_rank]
     runs = [drain(hw, m, lay, [g for g, r in zip(st["groups"], where) if r == k],
                   per_rank[k] if per_rank and k < len(per_rank) else spec,
                   [x for x, r in zip(rates, where) if r == k] if rates else None) for k in range(ranks)]
@@ -552,7 +575,7 @@ def simulate(trace: list[dict], hw: Hardware, m: ModelShape, lay: Layout, spec_m
         sync.append(dict(step=st["step"], time_rollout=ro["time"], time_train=T, time_weight_sync=S,
                          time_head=H, time_step=ro["time"] + T + S + H, rank_busy_time=ro["busy"],
                          rank_bubble_time=ro["bubble"], engine_steps=ro["steps"],
-                         rank_time_prefill=part(lambda x: x[1] * (x[3] == "prefill")),
+                         rank_time_prefill=part(lambda x: (x[1] - x[4]) * (x[3] == "prefill")),
                          rank_time_decode=part(lambda x: (x[1] - x[4]) * (x[3] == "decode")),
                          rank_time_propose=part(lambda x: x[4]),
                          rank_time_backward=train_compute(hw, m, share, ref_model)))
@@ -615,7 +638,7 @@ def calibrated(cfg: dict, threads: int = 1, where: str = "config.json", ranks: i
                    platform.processor()) if info.is_file() else platform.processor()
     if device != "cpu":
         machine = torch.cuda.get_device_name(0)
-    key = json.dumps([cfg, threads, ranks, machine, os.cpu_count(), torch.__version__, 11]
+    key = json.dumps([cfg, threads, ranks, machine, os.cpu_count(), torch.__version__, 14]
                      + [device] * (device != "cpu"), sort_keys=True, default=str)
     path = cache_dir() / "profiles" / f"sim_{device}_{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
     if path.is_file():     # said, so a calibration taken on a busy box or another day is not trusted unseen
@@ -650,7 +673,7 @@ def calibrated(cfg: dict, threads: int = 1, where: str = "config.json", ranks: i
     store.unlink(missing_ok=True)
     med = statistics.median       # per field, over every rank's fits: one fit on this box is +-10%
     hw = Hardware(f"{device} x{ranks}", *(med([f[k] for f in fits]) for k in list(fits[0])[1:]))
-    hw = replace(hw, overlap=bool(hw.overlap))
+    hw = replace(hw, overlap=bool(hw.overlap), padded=bool(hw.padded))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(asdict(hw)))
     return hw
@@ -731,7 +754,7 @@ def _calibration_engine(cfg: dict, where: str, device: str) -> tuple:
 
 def _forward_time(hw: Hardware, m: ModelShape, B: float, C: float, Q: float) -> float:
     """The roofline of LLM.time_forward(B, C, Q): B rows of C cached tokens, Q new ones each (Q > 1 verifies)."""
-    return step_time(hw, m, 1, B, B * Q, B * C, B * Q * (C + Q / 2), Q > 1)
+    return engine_step(hw, m, 1, [Q] * B, [C] * B, Q > 1)
 
 
 def _fit_relative(X, y, t):
@@ -799,7 +822,7 @@ def _fit_engine_overheads(llm, hw: Hardware, m: ModelShape, vocab: int, light: b
             before, drafting, t0 = llm.stats["generated_tokens"], llm.seconds["propose"], time.perf_counter()
             llm.step()
             if not prefill and rows:
-                C = sum(len(s) - 1 for s in rows) / len(rows)
+                C = max(len(s) - 1 for s in rows)        # every row gathers the longest one's keys
                 Q = (llm.stats["generated_tokens"] - before) / len(rows)   # all drafts accepted: Q = emitted
                 out.append((len(rows), C, Q, time.perf_counter() - t0, llm.seconds["propose"] - drafting))
         return out
@@ -809,16 +832,16 @@ def _fit_engine_overheads(llm, hw: Hardware, m: ModelShape, vocab: int, light: b
     hw = replace(hw, step_overhead_s=hw.step_overhead_s + a, seq_overhead_s=hw.seq_overhead_s + b)
     done(f"{len(ar)} decode steps timed")
     spec_seeds = (3, 4)                            # light too: its short drains verify few steps each
-    for seed in spec_seeds:
-        drain_steps(True, seed)                    # the drafters learn these (greedy) responses ...
+    drafting, tokens = llm.seconds["propose"], llm.stats["generated_tokens"]
+    for seed in spec_seeds:     # the drafters meet new prompts and responses, as in a rollout: propose() is
+        drain_steps(True, seed)  # timed per token they emit (walks, inserts), not fitted; they learn these ...
+    hw = replace(hw, draft_token_s=(llm.seconds["propose"] - drafting) / (llm.stats["generated_tokens"] - tokens))
     ver = [s for seed in spec_seeds for s in drain_steps(True, seed) if s[2] > 1]   # ... and draft them, all accepted
     if len(ver) >= 2:       # the controller may draft on too few steps to fit (and nnls aborts on none)
-        # propose() is timed, not fitted: per drafting row; the rest of a verify step beyond its forward
-        # is the verify overhead
-        d = sum(p for *_, p in ver) / sum(B for B, *_ in ver)
+        # the rest of a verify step beyond its forward and propose() is the verify overhead
         c, = _fit_relative([[1.0] for _ in ver], [t - p - _forward_time(hw, m, B, C, Q) for B, C, Q, t, p in ver],
                            [s[3] for s in ver])
-        hw = replace(hw, verify_overhead_s=hw.verify_overhead_s + c, draft_seq_s=d)
+        hw = replace(hw, verify_overhead_s=hw.verify_overhead_s + c)
     done(f"{len(ver)} verify steps timed" + ("" if len(ver) >= 2 else ": too few, the forward grid's verify cost stands"))
     return hw
 
@@ -1000,7 +1023,7 @@ def _parser() -> argparse.ArgumentParser:
                          "drafts before it were accepted); spec rows then draft the best k")
     ap.add_argument("--draft-len", type=int, default=8, help="largest k with --acceptance")
     ap.add_argument("--drafter", default="history", choices=("history", "head"),
-                    help="--acceptance: history drafters (host time per row) or a draft head (its forwards priced)")
+                    help="--acceptance: history drafters (host time per emitted token) or a draft head (its forwards priced)")
     ap.add_argument("--draft-vocab", type=int, help="--drafter head: its draft vocabulary (default: the model's)")
     ap.add_argument("--model", help=f"a preset ({', '.join(MODELS)}), a config.json, or a model as train.py "
                                     "takes it: an HF directory, a .gguf file or a hub id")
@@ -1036,7 +1059,7 @@ def _traces(a) -> tuple[list, dict]:
         runs = [(f"gsm8k x{a.prompts}x{a.G}" + (f", lengths x{a.length_scale:g}" if a.length_scale != 1 else ""),
                  gsm8k_trace(str(path), a.prompts, a.G, a.steps, Spec(), a.length_scale))]
     if a.acceptance is not None:
-        best = Spec(((1.0, a.draft_len, a.acceptance),), 1.0, a.draft_len)
+        best = Spec(((1.0, a.draft_len, a.acceptance),), 1.0, a.draft_len, history=a.drafter == "history")
         runs = [(label, [dict(st, spec=best, rank_specs=None, rates=None) for st in tr]) for label, tr in runs]
     return runs, cfg
 
