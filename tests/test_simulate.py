@@ -98,6 +98,20 @@ def test_a_cpu_engine_repacks_its_linears_once_a_rollout():
     assert steps[0][1] == pytest.approx(1.0 + 1e-9 * m.matmul_params) and steps[1][1] == pytest.approx(1.0)
 
 
+def test_history_drafters_are_priced_per_emitted_token():
+    # their propose() walks and inserts every token its rows emit, drafting or not, prefill included
+    m, groups = sim.ModelShape.from_config(TINY, "tiny"), [(4, [1, 3, 5])]
+    hw = sim.replace(clock(1.0), draft_token_s=0.5)
+    plain = sim.drain(hw, m, sim.Layout(), groups, sim.Spec())[0]
+    t, steps = sim.drain(hw, m, sim.Layout(), groups, sim.Spec(history=True))
+    assert t == pytest.approx(plain + 9 * 0.5) and sum(s[4] for s in steps) == pytest.approx(9 * 0.5)
+    # a trace names its drafters: history ones (suffix) are priced so, a model drafter (head) is not
+    r = {"seq_forwards": 10, "drafter/suffix/verify_steps": 2, "drafter/suffix/proposed": 4}
+    assert sim.spec_from_metrics(r).history
+    head = {"seq_forwards": 10, "drafter/head/verify_steps": 2, "drafter/head/proposed": 4}
+    assert not sim.spec_from_metrics(head).history
+
+
 def test_a_replayed_head_is_priced():
     # 40 engine steps, the head verified on 120 rows with 4 drafts each: on every step, 3 rows a step
     r = {"seq_forwards": 400, "target_forwards": 40, "spec_on_frac": 1.0, "drafter/head/verify_steps": 120,

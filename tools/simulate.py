@@ -42,6 +42,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from nanospec.config import read_jsonl
+from nanospec.drafters.registry import METHODS
 
 
 # ---- hardware -------------------------------------------------------------------------------------
@@ -395,10 +396,11 @@ def spec_from_metrics(r: dict, head_cap: int | None = None) -> Spec:
         steps = r.get("drafter/head/propose_steps") or r.get("drafting_steps") or forwards
         depth = r.get("drafter/head/depth") or steps * (head_cap or r["drafter/head/proposed"] / v)
         use = (min(1.0, steps / forwards), depth / steps, v / steps)
-    history = any(k.startswith("drafter/") and not k.startswith("drafter/head/") for k in r)
+    history = any(k.split("/")[1] in HISTORY_DRAFTERS for k in r if k.startswith("drafter/"))
     return Spec(tuple(ds), r.get("spec_on_frac", 1.0 if ds else 0.0), head_use=use, history=history)
 
 
+HISTORY_DRAFTERS = {name for name, m in METHODS.items() if not m.own_kv}   # their propose() is host work
 RANK_KEYS = ("rank_seq_forwards", "rank_verify_steps", "rank_proposed_tokens", "rank_accepted_tokens")
 
 
