@@ -640,7 +640,7 @@ def calibrated(cfg: dict, threads: int = 1, where: str = "config.json", ranks: i
                    platform.processor()) if info.is_file() else platform.processor()
     if device != "cpu":
         machine = torch.cuda.get_device_name(0)
-    key = json.dumps([cfg, threads, ranks, machine, os.cpu_count(), torch.__version__, 15]
+    key = json.dumps([cfg, threads, ranks, machine, os.cpu_count(), torch.__version__, 16]
                      + [device] * (device != "cpu"), sort_keys=True, default=str)
     path = cache_dir() / "profiles" / f"sim_{device}_{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
     if path.is_file():     # said, so a calibration taken on a busy box or another day is not trusted unseen
@@ -802,6 +802,7 @@ def _fit_engine_overheads(llm, hw: Hardware, m: ModelShape, vocab: int, light: b
                           done) -> Hardware:
     """Phase 2: host time per step and per row beyond the forward (AR drains), then a verify step's extra
     and drafting per row (drains whose drafts are all accepted)."""
+    import gc
     import torch
     from nanospec.engine.sequence import SamplingParams
 
@@ -834,6 +835,7 @@ def _fit_engine_overheads(llm, hw: Hardware, m: ModelShape, vocab: int, light: b
     hw = replace(hw, step_overhead_s=hw.step_overhead_s + a, seq_overhead_s=hw.seq_overhead_s + b)
     done(f"{len(ar)} decode steps timed")
     spec_seeds = (3, 4)                            # light too: its short drains verify few steps each
+    gc.collect()     # a full collection due now would land in one propose(): 115 ms, 8x a light drain's time
     drafting, tokens = llm.seconds["propose"], llm.stats["generated_tokens"]
     for seed in spec_seeds:     # the drafters meet new prompts and responses, as in a rollout: propose() is
         drain_steps(True, seed)  # timed per token they emit (walks, inserts), not fitted; they learn these ...
