@@ -284,3 +284,7 @@ def test_engine_step_prices_the_engines_padding():
     # varlen kernels (the GPU presets): each row its own keys, causal pairs among the new tokens
     varlen = replace(hw, padded=False)
     assert sim.engine_step(varlen, m, 1, [1, 1], [10, 30]) == sim.step_time(varlen, m, 1, 2, 2, 40, 10.5 + 30.5)
+    # one number of new tokens for every row prices as the same list
+    for machine in (hw, varlen):
+        each = sim.engine_step(machine, m, 1, [3, 3], [10, 30])
+        assert sim.engine_step(machine, m, 1, 3, [10, 30]) == pytest.approx(each)

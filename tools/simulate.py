@@ -189,16 +189,22 @@ def step_time(hw: Hardware, m: ModelShape, tp: int, rows: float, tokens: float, 
     return body + comm + hw.step_overhead_s + hw.seq_overhead_s * rows + hw.verify_overhead_s * verify
 
 
-def engine_step(hw: Hardware, m: ModelShape, tp: int, qs: list, ctx: list, verify: float = 0.0) -> float:
-    """One engine forward: row b feeds qs[b] new tokens after ctx[b] cached ones. The linears see only
-    the real tokens. nanospec's engine (engine/runner.py; hw.padded) has every row gather the keys of
-    the step's longest sequence, and a step of wide queries (a prefill: Q > SMALL_Q) runs SDPA padded
-    to the widest row too (narrow ones score each row at its own width: paged_attention.query_groups);
-    varlen kernels (vLLM's, the GPU presets) read and score each row's own keys."""
-    B, N, Q = len(qs), sum(qs), max(qs)
+def engine_step(hw: Hardware, m: ModelShape, tp: int, qs: list | float, ctx: list, verify: float = 0.0) -> float:
+    """One engine forward: row b feeds qs[b] new tokens (qs a number: every row as many) after ctx[b]
+    cached ones. The linears see only the real tokens. nanospec's engine (engine/runner.py; hw.padded)
+    has every row gather the keys of the step's longest sequence, and a step of wide queries (a
+    prefill: Q > SMALL_Q) runs SDPA padded to the widest row too (narrow ones score each row at its
+    own width: paged_attention.query_groups); varlen kernels (vLLM's, the GPU presets) read and score
+    each row's own keys."""
+    B = len(ctx)
+    if isinstance(qs, list):
+        N, Q, C = sum(qs), max(qs), max(c + q for q, c in zip(qs, ctx))
+        causal = lambda: sum(q * (c + q / 2) for q, c in zip(qs, ctx))
+    else:        # the mean replay prices every draft length of every step: no loop over the rows
+        N, Q, C = B * qs, qs, max(ctx) + qs
+        causal = lambda: qs * (sum(ctx) + B * qs / 2)
     if not hw.padded:
-        return step_time(hw, m, tp, B, N, sum(ctx), sum(q * (c + q / 2) for q, c in zip(qs, ctx)), verify)
-    C = max(c + q for q, c in zip(qs, ctx))
+        return step_time(hw, m, tp, B, N, sum(ctx), causal(), verify)
     return step_time(hw, m, tp, B, N, B * C - N, (B * Q if Q > SMALL_Q else N) * C, verify)
 
 
@@ -452,7 +458,7 @@ def drain(hw: Hardware, m: ModelShape, lay: Layout, groups: list, spec: Spec,
                 dt = engine_step(hw, m, tp, qs, ctx, v) + draft
             else:
                 C = sum(ctx) / B
-                forward = lambda q, v: engine_step(hw, m, tp, [q] * B, ctx, v)
+                forward = lambda q, v: engine_step(hw, m, tp, q, ctx, v)
                 q, tau, v = spec.choose(lambda q, tau, v: forward(q, v) + spec.drafting_time(hw, B, C, q, B * tau))
                 draft = spec.drafting_time(hw, B, C, q, B * tau)
                 dt, taus = forward(q, v) + draft, [tau] * B
@@ -756,7 +762,7 @@ def _calibration_engine(cfg: dict, where: str, device: str) -> tuple:
 
 def _forward_time(hw: Hardware, m: ModelShape, B: float, C: float, Q: float) -> float:
     """The roofline of LLM.time_forward(B, C, Q): B rows of C cached tokens, Q new ones each (Q > 1 verifies)."""
-    return engine_step(hw, m, 1, [Q] * B, [C] * B, Q > 1)
+    return engine_step(hw, m, 1, Q, [C] * B, Q > 1)
 
 
 def _fit_relative(X, y, t):
