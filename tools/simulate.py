@@ -365,11 +365,15 @@ class Spec:
         (propose() walks each row's new tokens and inserts the finished responses, whether or not the
         step drafts), and the chosen k's head forwards (q - 1 drafts a row) or, replaying a trace, the
         head's expected forwards."""
-        history = hw.draft_token_s * emitted if self.history else 0.0
+        history = self.history_time(hw, emitted)
         if self.best_k and self.head:
             return history + self.draft_time(hw, B, C, q - 1)
         share, k, rows = self.head_use
         return history + (share * self.draft_time(hw, rows, C, k) if share else 0.0)
+
+    def history_time(self, hw: Hardware, emitted: float) -> float:
+        """The history drafters' host time for `emitted` tokens (prefill's first tokens included)."""
+        return hw.draft_token_s * emitted if self.history else 0.0
 
     def replay_q(self) -> float:
         """Query tokens per row of a replayed trace (1 + drafts per row-forward); 1 when choosing k."""
@@ -382,6 +386,9 @@ class Spec:
             return max(((1.0 + k, leviathan(a, k), float(k > 0)) for k in range(self.best_k + 1)),
                        key=lambda o: o[1] / cost(*o))
         return self.replay_q(), 1.0 + sum(f * (leviathan(a, k) - 1.0) for f, k, a in self.drafters), self.on
+
+
+HISTORY_DRAFTERS = {name for name, m in METHODS.items() if not m.own_kv}   # their propose() is host work
 
 
 def spec_from_metrics(r: dict, head_cap: int | None = None) -> Spec:
@@ -406,7 +413,6 @@ def spec_from_metrics(r: dict, head_cap: int | None = None) -> Spec:
     return Spec(tuple(ds), r.get("spec_on_frac", 1.0 if ds else 0.0), head_use=use, history=history)
 
 
-HISTORY_DRAFTERS = {name for name, m in METHODS.items() if not m.own_kv}   # their propose() is host work
 RANK_KEYS = ("rank_seq_forwards", "rank_verify_steps", "rank_proposed_tokens", "rank_accepted_tokens")
 
 
@@ -445,7 +451,7 @@ def drain(hw: Hardware, m: ModelShape, lay: Layout, groups: list, spec: Spec,
             drafts = [(r[1] if r else spec.replay_q()) - 1.0 for *_, r in new]
             reused = [0 if first else cached(p) for p, _, first, _ in new]
             qs = [p - c + d for (p, *_), c, d in zip(new, reused, drafts)]
-            draft = hw.draft_token_s * sum(r[0] if r else 1.0 for *_, r in new) if spec.history else 0.0
+            draft = spec.history_time(hw, sum(r[0] if r else 1.0 for *_, r in new))
             dt, part = engine_step(hw, m, tp, qs, reused, sum(drafts) > 0) + draft, "prefill"
             rem += [L - (r[0] if r else 1.0) for _, L, _, r in new]
             ctx += [p + 1.0 for p, *_ in new]
