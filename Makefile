@@ -20,7 +20,7 @@ draft: venv  ## the small draft model for `method: draft_model` (SFT only; runs/
 mlp: venv    ## the n-gram MLP for `method: suffix_mlp`, distilled from runs/sft (~40 s; runs/ngram_mlp)
 	$(BIN)/python distill_mlp.py --model runs/sft --out runs/ngram_mlp
 
-head: venv   ## the draft head for `method: head` on SmolLM2's task (runs/head_smollm2; ~100 min on 2 cores)
+head: venv   ## the draft head for `method: head` on SmolLM2's task (runs/head_smollm2; 45-100 min on 2 cores)
 	OMP_NUM_THREADS=2 $(BIN)/python distill_head.py --config configs/smollm2_arith.yaml --out runs/head_smollm2_warm \
 	  --prompts 128 --samples 4 --epochs 20 --draft-vocab 4096
 	OMP_NUM_THREADS=2 $(BIN)/python distill_head.py --config configs/smollm2_arith.yaml --out runs/head_smollm2 \
