@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from nanospec.drafters.base import Proposal
-from nanospec.engine.controller import Acceptance, DraftController, LengthClasses, plan_drafts
+from nanospec.engine.controller import Acceptance, DraftController, LengthClasses, declines, plan_drafts
 from nanospec.engine.latency import LatencyModel
 from nanospec.rl.scheduling import LengthPredictor, assign_to_ranks, imbalance, rank_work, round_robin
 
@@ -418,6 +418,43 @@ def test_a_drafter_too_slow_to_pay_even_when_always_right_is_never_probed_nor_pr
     assert all(slow.budgets([Row() for _ in range(4)], 4) == [0] * 4 for _ in range(16))
     assert any(any(cheap.budgets([Row() for _ in range(4)], 4)) for _ in range(16))
     assert not slow.keeps_draft_kv(20, 4) and cheap.keeps_draft_kv(20, 4)
+
+
+def test_a_declined_step_is_decided_from_the_rows_largest_and_summed_worth(monkeypatch):
+    """Where every row asks the same drafts, `budgets` tests plan_drafts' bounds from the step's largest
+    and summed worth (O(K) a source, not O(B)): on random steps (rate and confident sources, history and
+    model drafters, level and ragged rows) every answer and probe gap is what the full solve gives."""
+    rng, real, verdicts = random.Random(1), DraftController._uniform_declines, []
+
+    def counted(self, st, probs, fixed, per_forward):     # and plan_drafts' own O(B) bounds agree
+        s, T0 = self.min_speedup, st["t_ar"] + st["v"] + fixed
+        largest = max(max(w * probs[0], w * probs[-1]) / s for w in st["worth"])
+        total = sum(w * sum(probs) for w in st["worth"] if w > 0) / s
+        verdicts.append(real(self, st, probs, fixed, per_forward))
+        assert verdicts[-1] == declines(largest, total, st["t_ar"], st["c"], T0 + per_forward * len(probs), T0)
+        return verdicts[-1]
+
+    for _ in range(300):
+        kv, confident = rng.random() < 0.5, rng.random() < 0.5
+        per_row = rng.uniform(0.01, 0.05)          # a verified token costs 0-2 of a row's decode
+        kw = dict(coef=[10 ** rng.uniform(-4, 0), per_row, rng.uniform(0, 2) * per_row, rng.uniform(0, 1e-3), 0,
+                        rng.uniform(0, 0.05)], draft_forward=10 ** rng.uniform(-3, 0) if kv else None,
+                  confident_sources=["d"] if confident else (), probe_every=rng.choice([1, 8]))
+        left = rng.randint(1, 300) if rng.random() < 0.5 else None     # None: ragged rows, else level ones
+        rows = [Row(length=n, completion=3, max_tokens=3 + (left or rng.randint(1, 300)), lag=rng.randint(1, 3))
+                for n in (rng.randint(4, 60) for _ in range(rng.randint(1, 64)))]
+        bad, rate, draft_time = rng.random() < 0.5, rng.random(), 10 ** rng.uniform(-4, -1)
+        seen = [0 if bad else 4 if rng.random() < rate else 1 for _ in range(rng.randint(0, 60))]   # accepted of 4
+        answers = []
+        for verdict in (counted, lambda *a: False):
+            monkeypatch.setattr(DraftController, "_uniform_declines", verdict)
+            c = controller(**kw)
+            c.draft_time = draft_time
+            for a in seen:
+                c.observe_acceptance("d", 4, a, [0.9] * 4 if confident else None)
+            answers.append([(c.budgets(rows, 4), {n: list(g) for n, g in c._gap.items()}) for _ in range(3)])
+        assert answers[0] == answers[1]
+    assert verdicts.count(True) > 100 and verdicts.count(False) > 100    # both ways, many times
 
 
 def test_a_model_drafter_pays_per_draft_position_which_shortens_its_drafts():

@@ -83,7 +83,7 @@ def plan_drafts(probs: list[list[float]], worth: list[float], t_ar: float, token
     # worth * sum(p) / s: O(B) Python, the step's common case, before the O(B * K) list of gains.
     largest = max((max(w * row[0], w * row[-1]) / min_speedup for w, row in zip(worth, probs) if row), default=0.0)
     total = sum(w * sum(row) for w, row in zip(worth, probs) if w > 0) / min_speedup
-    if largest * (T0 + per_forward * K_max) < token_cost * t_ar or (t_ar + total) * (1 + 1e-9) < plain * T0:
+    if declines(largest, total, t_ar, token_cost, T0 + per_forward * K_max, plain * T0):
         return [0] * len(probs), plain
     # gains: (worth * p / s, row i, position j), in the loop's order; the loop takes those with j < K
     gains = [(w * p / min_speedup, i, j) for i, (w, row) in enumerate(zip(worth, probs)) for j, p in enumerate(row)]
@@ -98,6 +98,12 @@ def plan_drafts(probs: list[list[float]], worth: list[float], t_ar: float, token
             plans.append((V / T, keep))
     x, keep = max(plans, default=(0.0, None), key=lambda plan: plan[0])
     return (keep, x) if x >= plain else ([0] * len(probs), plain)
+
+
+def declines(largest: float, total: float, t_ar: float, token_cost: float, T_max: float, plain_T0: float) -> bool:
+    """plan_drafts' two bounds: the largest gain fails at the largest T, or all gains together cannot
+    lift V / T over plain (1e-9: float sums in another order). -> True: the plan keeps nothing."""
+    return largest * T_max < token_cost * t_ar or (t_ar + total) * (1 + 1e-9) < plain_T0
 
 
 class Acceptance:
@@ -240,8 +246,9 @@ class DraftController:
             sigma = max(1.0, math.sqrt(most * var))       # how far the rows may drift apart, tokens
             last = [math.exp((n - most) / sigma) for n in left]           # lead = most - n
             r, share = (t_ar - w) / B, w / sum(last)
+            worth = [r + share * x for x in last]
             st.update(t_ar=t_ar, c=self.latency.token_cost(ctx), v=self.latency.verify_overhead, left=sum(left),
-                      worth=[r + share * x for x in last])
+                      worth=worth, wmax=max(worth), wsum=sum(w for w in worth if w > 0))
         return st
 
     def _draft_cost(self, st: dict, source: str, rows: int, lag: float = 1.0) -> tuple[float, float]:
@@ -278,7 +285,11 @@ class DraftController:
             else:
                 cond = self.acceptance.rates(n, max(mine))
             probs = list(itertools.accumulate(cond, operator.mul))
-            ks = self._solve(st, [probs[:k] for k in mine], *cost)[0]
+            k = mine[0]
+            if k and mine.count(k) == len(mine) and self._uniform_declines(st, probs[:k], *cost):
+                ks = [0] * len(seqs)
+            else:
+                ks = self._solve(st, [probs[:k] for k in mine], *cost)[0]
             if n in self.confident:   # it rates each draft itself (clip): asked for the cap wherever it pays
                 ks = [k if kept else 0 for k, kept in zip(mine, ks)]
             gap = self._gap.setdefault(n, [0, self.probe_every])
@@ -289,8 +300,18 @@ class DraftController:
                 probe = self._probe(st, n, seqs, mine, lags, gap)
                 ks = [max(a, b) for a, b in zip(ks, probe)]
             st["ks"][n] = ks
-            out = [max(a, b) for a, b in zip(out, ks)]
+            if any(ks):
+                out = [max(a, b) for a, b in zip(out, ks)]
         return out
+
+    def _uniform_declines(self, st: dict, probs: list[float], fixed: float, per_forward: float) -> bool:
+        """`plan_drafts`' bounds where every row asks the same drafts `probs`, from the step's largest and
+        summed worth (`_begin`): O(K) per source, not O(B), so a step the rule declines costs what its
+        worth list costs. The same answer: the largest gain is the largest worth's (w p rounds
+        monotonically in w), and the gains' sum differs from plan_drafts' only in float order."""
+        s, T0 = self.min_speedup, st["t_ar"] + st["v"] + fixed
+        largest = max(st["wmax"] * probs[0], st["wmax"] * probs[-1]) / s
+        return declines(largest, st["wsum"] * sum(probs) / s, st["t_ar"], st["c"], T0 + per_forward * len(probs), T0)
 
     def _yield(self) -> float:
         """The share of the rows the drafter is asked for that it drafts for, shrunk toward 1 (a new
