@@ -285,8 +285,8 @@ class DraftController:
             else:
                 cond = self.acceptance.rates(n, max(mine))
             probs = list(itertools.accumulate(cond, operator.mul))
-            k = mine[0]
-            if k and mine.count(k) == len(mine) and self._uniform_declines(st, probs[:k], *cost):
+            same = mine[0] if mine.count(mine[0]) == len(mine) else 0      # every row's cap, if one
+            if same and self._uniform_declines(st, probs[:same], *cost):
                 ks = [0] * len(seqs)
             else:
                 ks = self._solve(st, [probs[:k] for k in mine], *cost)[0]
