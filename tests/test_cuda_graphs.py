@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from nanospec.drafters.head import HeadDrafter
 from nanospec.engine.cuda_graphs import GraphRunner, batch_buckets, kv_block_bytes, kv_blocks_for_memory
 from nanospec.engine.llm import LLM
 from nanospec.models.decoder import CausalLM, ModelArgs
@@ -87,8 +88,12 @@ def test_emulated_replay_equals_eager(Q, lengths):
 
 
 def emulated_llm(model, **kw):
+    """The engine with emulated graphs, as LLM(use_cuda_graphs=True) builds it on CUDA: a draft head too."""
     llm = cpu_llm(model, **kw)
     llm.runner = GraphRunner(llm.model, llm.blocks.num_blocks, BS, 8, llm.max_model_len, emulate=True)
+    if isinstance(llm.drafter, HeadDrafter):
+        llm.drafter.runner = GraphRunner(llm.drafter.model, llm.blocks.num_blocks, BS, 8, llm.max_model_len,
+                                         emulate=True, features=True)
     return llm
 
 
@@ -114,13 +119,14 @@ def test_llm_emulated_graphs_match_ar_and_speculative():
 
 
 def drafts_of(llm, prompts):
-    """Greedy tokens and every draft the head proposed. Two calls in three draft nothing: the hidden states
-    a decode step handed over must outlive the next decode, a replay into the same output buffer."""
+    """Greedy tokens and every draft the head proposed. Most rows draft one call in three: the hidden states
+    a decode step handed over must outlive the next decode, a replay into the same output buffer; row 2
+    drafts every call, so a catch-up mixes rows 1 and 3 positions behind (ragged, padded in a graph)."""
     drafts, calls, propose = [], [0], llm.drafter.propose
 
     def recorded(seqs, num_tokens):
         calls[0] += 1
-        p = propose(seqs, num_tokens if calls[0] % 3 == 0 else [0] * len(seqs))
+        p = propose(seqs, [k if calls[0] * (i + 1) % 3 == 0 else 0 for i, k in enumerate(num_tokens)])
         drafts.append(p.tokens)
         return p
     llm.drafter.propose = recorded
@@ -135,6 +141,8 @@ def test_head_through_emulated_graphs_drafts_as_eager():
     tokens, drafts = drafts_of(eager, prompts)
     assert drafts_of(graphs, prompts) == (tokens, drafts) and tokens == greedy(cpu_llm(model), prompts)
     assert graphs.runner.num_replays > 0 and sum(len(d) for ds in drafts for d in ds) >= 60
+    head = graphs.drafter.runner     # the head's one-token drafting steps and its catch-ups replayed too
+    assert head.num_replays > 0 and {q for _, q in head.graphs} > {1} and head.num_eager > 0   # prompts: eager
 
 
 def test_sleep_drops_graphs_captured_against_the_freed_cache():
@@ -226,6 +234,7 @@ def test_cuda_head_through_graphs_drafts_as_eager():
         eager, graphs = cuda_llm(model, "float32", False, **spec), cuda_llm(model, "float32", True, **spec)
     tokens, drafts = drafts_of(eager, prompts)
     assert drafts_of(graphs, prompts) == (tokens, drafts) and graphs.runner.num_replays > 0
+    assert isinstance(graphs.drafter.runner, GraphRunner) and graphs.drafter.runner.num_replays > 0
 
 
 @cuda

@@ -17,6 +17,7 @@ from it), `free(seq)` when a sequence leaves the engine (finished or aborted; dr
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -42,7 +43,8 @@ class Proposal:
 class DraftTarget:
     """What a drafter with a model of its own sees of the engine, and no more: the target model (the
     nf4 self-drafter quantizes it), its vocabulary, the KV block geometry the drafter's own cache
-    shares, the device, and the tokenizer (a draft model must speak the same one)."""
+    shares, the device, the tokenizer (a draft model must speak the same one), and, where the engine
+    replays CUDA graphs, how to build a graph runner over that geometry for the drafter's model."""
     model: torch.nn.Module
     vocab_size: int
     num_blocks: int
@@ -50,6 +52,7 @@ class DraftTarget:
     device: torch.device
     tokenizer: object = None
     name: str = "the target"
+    graph_runner: Callable | None = None    # (model, features: bool) -> cuda_graphs.GraphRunner, captured
 
 
 def check_budget(seqs: list[Sequence], num_tokens: list[int]) -> None:

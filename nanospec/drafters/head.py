@@ -179,7 +179,10 @@ class HeadDrafter(ModelDrafter):
     wants_hidden = True
 
     def __init__(self, head: DraftHead, target: DraftTarget, seed: int = 0):
-        super().__init__("head", head, target, seed)
+        # where the target replays CUDA graphs, so does the head: eager, each one-token draft forward
+        # costs about two 0.5B target steps in launches on an H200 (docs/results.md)
+        runner = target.graph_runner(head, features=True) if target.graph_runner else None
+        super().__init__("head", head, target, seed, runner=runner)
         self.head = head
         self.pending: dict[int, tuple[int, list[torch.Tensor]]] = {}   # seq_id -> (first position, [n_i, D] chunks)
         # recording (a rank that trains the head in its bubble, rl/rollout.py): every hidden state a
@@ -231,8 +234,7 @@ class HeadDrafter(ModelDrafter):
         if not rows:
             return {}
         sub = [seqs[i] for i in rows]
-        ids, pos, kv = self.runner.prepare(sub, feed, starts)
-        g = self.model(ids, pos, kv, torch.cat(feats))                                      # [b, Q, D]
+        g = self.runner.forward(sub, feed, starts, torch.cat(feats))                        # [b, Q, D]
         out = {}
         for r, (i, s, f, a) in enumerate(zip(rows, sub, feed, starts)):
             s.num_draft_computed = a + len(f)
@@ -264,9 +266,8 @@ class HeadDrafter(ModelDrafter):
             rows, g = [rows[r] for r in keep], g[keep]
             sub = [seqs[i] for i in rows]
             # head position len - 2 + j + 1 over (g, d_{j+1}): scratch KV, overwritten after the verify
-            ids, pos, kv = self.runner.prepare(sub, [[drafts[i][-1]] for i in rows],
-                                               [len(s) - 1 + j for s in sub])
-            g = self.model(ids, pos, kv, g)[:, 0]                                           # [b, D]
+            feed, starts = [[drafts[i][-1]] for i in rows], [len(s) - 1 + j for s in sub]
+            g = self.runner.forward(sub, feed, starts, g)[:, 0]                              # [b, D]
         return Proposal(drafts, q, [self.name if d else "" for d in drafts])
 
     def observe(self, seq: Sequence) -> None:

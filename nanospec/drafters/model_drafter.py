@@ -51,9 +51,9 @@ class ModelDrafter(Drafter):
     needs_kv = True
 
     def __init__(self, name: str, model: nn.Module, target: DraftTarget, seed: int = 0,
-                 quantized: dict | None = None):
+                 quantized: dict | None = None, runner: Runner | None = None):
         self.name, self.model, self.vocab_size = name, model, target.vocab_size
-        self.runner = Runner(model, target.num_blocks, target.block_size)
+        self.runner = runner or Runner(model, target.num_blocks, target.block_size)
         self.device = self.runner.device
         self.generator = torch.Generator().manual_seed(seed)   # draft sampling only, not verify's uniforms
         self.quantized = quantized or {}                       # policy module name -> its Linear4bit

@@ -25,6 +25,10 @@ How:
   attention masks every key beyond the query's position, so a static C is exact: the extra keys get
   weight exp(-inf) = 0.
 * Everything else runs Runner.forward eagerly: prefill chunks (Q > max_q), B > the largest bucket.
+* A draft head (`features=True`, drafters/head.py) reads one feature vector per token beside its id:
+  one more static buffer per Q, [bmax, Q, D], that each step's features are padded into. The head's
+  drafting steps are one-token forwards of a single layer, all launch overhead on a GPU: graphs matter
+  for it more than for the target.
 
 `emulate=True` (CPU tests, no CUDA): the same buffers, padding and captured closures, "replayed" by
 calling the closure, so bucket choice, padding and static-buffer bookkeeping are testable anywhere.
@@ -34,6 +38,7 @@ from __future__ import annotations
 import bisect
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from nanospec.engine.paged_attention import PagedKV
 from nanospec.engine.runner import Runner
@@ -81,8 +86,8 @@ class GraphRunner(Runner):
     """Runner whose decode/verify forwards replay CUDA graphs; same API (forward/prepare/cache/device)."""
 
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, max_num_seqs: int,
-                 max_model_len: int, *, max_q: int = 8, emulate: bool = False):
-        dev = model.model.embed_tokens.weight.device
+                 max_model_len: int, *, max_q: int = 8, emulate: bool = False, features: bool = False):
+        dev = next(model.parameters()).device
         if dev.type != "cuda" and not emulate:
             raise RuntimeError(f"use_cuda_graphs=True needs CUDA: the model is on {dev} (torch.cuda.is_available()"
                                f"={torch.cuda.is_available()}); use device='cuda' or use_cuda_graphs=False")
@@ -94,6 +99,8 @@ class GraphRunner(Runner):
         self.max_q = max_q
         self.nb = -(-max_model_len // block_size)       # block-table width; C = nb * block_size keys
         self.bufs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # Q -> (inputs [bmax, 3Q+nb], out)
+        self.features = features
+        self.feats: dict[int, torch.Tensor] = {}           # Q -> features [bmax, Q, D] (a draft head's)
         self.graphs: dict[tuple[int, int], tuple] = {}     # (bucket, Q) -> (CUDAGraph | None if emulated, closure)
         self.pool = None
         self._asleep_qs: list[int] = []                   # the Qs captured before sleep, for wake_up
@@ -106,6 +113,7 @@ class GraphRunner(Runner):
         self._asleep_qs = sorted(self.bufs)
         self.graphs.clear()      # captured against the freed cache: recaptured by wake_up
         self.bufs.clear()
+        self.feats.clear()
 
     def wake_up(self) -> None:
         super().wake_up()
@@ -129,10 +137,11 @@ class GraphRunner(Runner):
         ids, pos, slots, table = inp[:b].split([Q, Q, Q, self.nb], dim=1)
         offs = torch.arange(self.block_size, device=self.device)
         out_b, model, cache, bs = out[:b], self.model, self.cache, self.block_size
+        feats = self.feats[Q][:b].flatten(0, 1) if self.features else None      # [b Q, D]
 
         def run():
             keys = (table[:, :, None] * bs + offs).flatten(1)                 # [b, C] key slots
-            out_b.copy_(model(ids, pos, PagedKV(cache, slots, keys)))
+            out_b.copy_(model(ids, pos, PagedKV(cache, slots, keys), feats))
         return run
 
     @torch.inference_mode()
@@ -147,6 +156,8 @@ class GraphRunner(Runner):
             inp = torch.tensor([self.pad_row(Q)] * bmax, dtype=torch.long, device=self.device)
             out = torch.zeros(bmax, Q, a.hidden_size, dtype=self.cache.dtype, device=self.device)
             self.bufs[Q] = (inp, out)
+            if self.features:
+                self.feats[Q] = torch.zeros_like(out)
             for b in reversed(self.buckets):
                 # inputs are all padding here, so the warm-up run only writes to the null block
                 run, g = self._closure(b, Q), None
@@ -170,17 +181,24 @@ class GraphRunner(Runner):
         return torch.tensor(rows, dtype=torch.long)
 
     @torch.inference_mode()
-    def forward(self, seqs: list[Sequence], tokens: list[list[int]], starts: list[int]) -> torch.Tensor:
-        """-> hidden [B, Q, D] (a view of the static output buffer: read it before the next step)."""
+    def forward(self, seqs: list[Sequence], tokens: list[list[int]], starts: list[int],
+                features: torch.Tensor | None = None) -> torch.Tensor:
+        """-> hidden [B, Q, D] (a view of the static output buffer: read it before the next step).
+        features: [N, D] per real token in row order (a draft head's runner only; without them, as
+        LLM.time_forward profiles it, the head reads whatever the buffer last held)."""
         B, Q = len(seqs), max(len(t) for t in tokens)
         b = self.bucket_for(B)
         if b is None or Q > self.max_q or any(len(s.block_table) > self.nb for s in seqs):
             self.num_eager += 1
-            return super().forward(seqs, tokens, starts)
+            return super().forward(seqs, tokens, starts, features)
+        if features is not None and not self.features:
+            raise ValueError("GraphRunner.forward: features given, but this runner was captured without them")
         if Q not in self.bufs:
             self.capture([Q])
         inp, out = self.bufs[Q]
         inp[:b].copy_(self.host_inputs(seqs, tokens, starts, b, Q))   # the one H2D copy
+        if features is not None:     # ragged rows padded to Q (what pads them is never read back)
+            self.feats[Q][:B].copy_(pad_sequence(features.split([len(t) for t in tokens]), batch_first=True))
         g, run = self.graphs[b, Q]
         run() if g is None else g.replay()
         self.num_replays += 1

@@ -146,20 +146,24 @@ class LLM:
                                    max(self.max_model_len, 4096))
         # the most drafts a sequence gets per step (the controller chooses below it)
         self.num_draft_tokens = max((s.get("num_draft_tokens", registry.DEFAULT_DRAFT_TOKENS) for s in specs), default=0)
+        graph_runner = None
         if use_cuda_graphs:   # GPU: decode/verify steps replay captured graphs (cuda_graphs.py), all of
             from nanospec.engine.cuda_graphs import GraphRunner   # them: Q = 1 + drafts, every Q captured now
-            self.runner = GraphRunner(self.model, num_kv_blocks, block_size, max_num_seqs, self.max_model_len,
-                                      max_q=1 + self.num_draft_tokens)
-            self.runner.capture(range(1, self.runner.max_q + 1))
-        else:
-            self.runner = Runner(self.model, num_kv_blocks, block_size)
+
+            def graph_runner(model, features=False):     # the target's, and a draft head's (drafters/head.py)
+                r = GraphRunner(model, num_kv_blocks, block_size, max_num_seqs, self.max_model_len,
+                                max_q=1 + self.num_draft_tokens, features=features)
+                r.capture(range(1, r.max_q + 1))
+                return r
+        self.runner = graph_runner(self.model) if graph_runner else Runner(self.model, num_kv_blocks, block_size)
         self.device = self.runner.device
         eos = a.eos_token_id if self.tokenizer is None else self.tokenizer.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         self.generator = torch.Generator().manual_seed(seed)
         self._st_key = self._st = None   # SamplingTensors of the last step's batch, reused while it repeats
         target = DraftTarget(self.model, self.vocab_size, num_kv_blocks, block_size, self.device, self.tokenizer,
-                             self.model_path or getattr(self.tokenizer, "name_or_path", None) or "the target")
+                             self.model_path or getattr(self.tokenizer, "name_or_path", None) or "the target",
+                             graph_runner)
         self.drafter: Drafter | None = registry.build(speculative, target)
         self.controller = self._build_controller(controller)
         # a drafter with its own KV prefills every prompt, unless it could never pay on this machine;

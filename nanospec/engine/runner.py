@@ -65,7 +65,9 @@ class Runner:
         return input_ids, positions, PagedKV(self.cache, slot_mapping, key_slots, index)
 
     @torch.inference_mode()
-    def forward(self, seqs: list[Sequence], tokens: list[list[int]], starts: list[int]) -> torch.Tensor:
-        """-> hidden states [B, Q, D]; row b is valid for its first len(tokens[b]) positions."""
+    def forward(self, seqs: list[Sequence], tokens: list[list[int]], starts: list[int],
+                features: torch.Tensor | None = None) -> torch.Tensor:
+        """-> hidden states [B, Q, D]; row b is valid for its first len(tokens[b]) positions.
+        features: [N, D], one per real token in row order, for a draft head (drafters/head.py)."""
         input_ids, positions, kv = self.prepare(seqs, tokens, starts)
-        return self.model(input_ids, positions, kv)
+        return self.model(input_ids, positions, kv, features)
