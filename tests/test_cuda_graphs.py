@@ -145,6 +145,23 @@ def test_head_through_emulated_graphs_drafts_as_eager():
     assert head.num_replays > 0 and {q for _, q in head.graphs} > {1} and head.num_eager > 0   # prompts: eager
 
 
+def test_llm_with_graphs_captures_the_heads_forwards_too(monkeypatch):
+    """LLM(use_cuda_graphs=True)'s wiring, with emulated graphs: the target's runner and the head's
+    (features) capture every width 1 .. 1 + k at start-up, and greedy tokens are AR's."""
+    class Emulated(GraphRunner):
+        def __init__(self, *args, **kw):
+            super().__init__(*args, emulate=True, **kw)
+    monkeypatch.setattr("nanospec.engine.cuda_graphs.GraphRunner", Emulated)
+    model, prompts = tiny(seed=5), repetitive_prompts(5)
+    with pytest.warns(UserWarning, match="freshly initialised"):
+        llm = cpu_llm(model, use_cuda_graphs=True, controller=None,
+                      speculative={"method": "head", "num_draft_tokens": 3})
+    target, head = llm.runner, llm.drafter.runner
+    assert isinstance(head, Emulated) and head.features and not target.features
+    assert sorted(head.bufs) == sorted(target.bufs) == [1, 2, 3, 4]
+    assert greedy(llm, prompts) == greedy(cpu_llm(model), prompts) and head.num_replays > 0
+
+
 def test_sleep_drops_graphs_captured_against_the_freed_cache():
     llm, prompts = emulated_llm(tiny(seed=5)), repetitive_prompts(3)
     before = greedy(llm, prompts)

@@ -82,6 +82,15 @@ def kv_blocks_for_memory(model: CausalLM, block_size: int, gpu_memory_utilizatio
     return n
 
 
+def captured_runner(model: CausalLM, *, num_blocks: int, block_size: int, max_num_seqs: int, max_model_len: int,
+                    max_q: int, features: bool = False) -> "GraphRunner":
+    """A GraphRunner with every width Q <= max_q captured now: the engine's, and a draft head's
+    (features=True, through DraftTarget.graph_runner) over the same geometry."""
+    r = GraphRunner(model, num_blocks, block_size, max_num_seqs, max_model_len, max_q=max_q, features=features)
+    r.capture(range(1, max_q + 1))
+    return r
+
+
 class GraphRunner(Runner):
     """Runner whose decode/verify forwards replay CUDA graphs; same API (forward/prepare/cache/device)."""
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import gc
 import itertools
 import os
@@ -148,13 +149,10 @@ class LLM:
         self.num_draft_tokens = max((s.get("num_draft_tokens", registry.DEFAULT_DRAFT_TOKENS) for s in specs), default=0)
         graph_runner = None
         if use_cuda_graphs:   # GPU: decode/verify steps replay captured graphs (cuda_graphs.py), all of
-            from nanospec.engine.cuda_graphs import GraphRunner   # them: Q = 1 + drafts, every Q captured now
-
-            def graph_runner(model, features=False):     # the target's, and a draft head's (drafters/head.py)
-                r = GraphRunner(model, num_kv_blocks, block_size, max_num_seqs, self.max_model_len,
-                                max_q=1 + self.num_draft_tokens, features=features)
-                r.capture(range(1, r.max_q + 1))
-                return r
+            from nanospec.engine.cuda_graphs import captured_runner   # them: Q = 1 + drafts, captured now
+            graph_runner = functools.partial(captured_runner, num_blocks=num_kv_blocks, block_size=block_size,
+                                             max_num_seqs=max_num_seqs, max_model_len=self.max_model_len,
+                                             max_q=1 + self.num_draft_tokens)
         self.runner = graph_runner(self.model) if graph_runner else Runner(self.model, num_kv_blocks, block_size)
         self.device = self.runner.device
         eos = a.eos_token_id if self.tokenizer is None else self.tokenizer.eos_token_id
