@@ -179,8 +179,8 @@ class HeadDrafter(ModelDrafter):
     wants_hidden = True
 
     def __init__(self, head: DraftHead, target: DraftTarget, seed: int = 0):
-        # where the target replays CUDA graphs, so does the head: eager, each one-token draft forward
-        # costs about two 0.5B target steps in launches on an H200 (docs/results.md)
+        # where the target replays CUDA graphs, so does the head: an eager one-layer forward on a GPU is
+        # launch overhead, paid once per draft position (docs/results.md, the third GPU run)
         runner = target.graph_runner(head, features=True) if target.graph_runner else None
         super().__init__("head", head, target, seed, runner=runner)
         self.head = head
