@@ -7,24 +7,19 @@ train, an event-driven replay of each rank's drain, and a nanospec run's measure
     python -m tools.simulate --lengths gsm8k --acceptance 0.40 --model qwen3-8b --hardware h100 --dp 8
 
 Nothing here is a speedup: every number comes from the model's shape, the hardware and the trace.
- * Roofline (Williams, Waterman & Patterson, CACM 2009): an engine step costs
-   max(FLOPs / achievable FLOP/s, bytes / achievable bandwidth) + host overhead (on one CPU core the
-   two terms add: Hardware.overlap). A decode step reads
-   every weight once and each sequence's KV once, so it is memory-bound at small B*Q; the weight read
-   is shared by all B*Q query tokens, so it turns compute-bound as B*Q grows. Verifying k drafts
-   costs about one decode step while memory-bound (why speculation pays on a GPU), ~(k+1) when not.
- * Speculation (Leviathan et al. 2023, eq. 1): k drafts, each accepted with probability a, emit
-   E = (1 - a^(k+1)) / (1 - a) tokens per verify; a is inverted from the trace's accepted/proposed at
-   its draft length, per drafter and rank. Where the trace has each response's target forwards, each
-   row is replayed at its own rate (the long tail is where acceptance is worst).
- * Drain: a rank's G responses per prompt (lengths from the trace) go through continuous batching;
-   sequences leave as they finish, so B shrinks, steps get cheaper and emit fewer tokens (the long
-   tail). Sync data parallel waits for the slowest rank; the others' wait is the bubble.
- * Async, one-step off-policy (staleness 1). Split (NeMo-RL's async GRPO; arXiv:2604.26779 projects
-   2.5x end-to-end at 235B from speculation + async with its own simulator): a generation group rolls
-   out step t+1 while the other ranks train step t, then broadcast the weights over the interconnect:
-   steady state max(rollout, train + weight sync), not their sum. Same ranks (nanospec's
-   grpo.max_staleness: 1): each device time-shares the two, which removes only the bubble.
+ * Roofline (Williams, Waterman & Patterson, CACM 2009): a step costs max(FLOPs / achievable FLOP/s,
+   bytes / achievable bandwidth) + host overhead (on one CPU core the two add). Decode reads every
+   weight once for all B*Q query tokens: memory-bound at small B*Q, so verifying k drafts costs about
+   one decode step (why speculation pays on a GPU), ~(k+1) once compute-bound.
+ * Speculation (Leviathan et al. 2023, eq. 1): k drafts accepted with probability a each emit
+   E = (1 - a^(k+1)) / (1 - a) tokens per verify; a is inverted from the trace's accepted/proposed
+   per drafter and rank, or each row replays its own rate (the long tail is where acceptance is worst).
+ * Drain: continuous batching; as responses finish B shrinks (the long tail). Sync data parallel
+   waits for the slowest rank: the others' wait is the bubble.
+ * Async, one-step off-policy. Split (NeMo-RL's async GRPO; arXiv:2604.26779 projects 2.5x end-to-end
+   at 235B from speculation + async with its own simulator): a generation group rolls out step t+1
+   while the others train step t and broadcast the weights: max(rollout, train + weight sync), not
+   their sum. Same ranks (grpo.max_staleness: 1): each device time-shares the two: only the bubble goes.
 """
 from __future__ import annotations
 
@@ -66,13 +61,12 @@ class Hardware:
     padded: bool = True               # attention padded to a step's longest row (nanospec's engine); False: varlen
 
 
-# Peak numbers from NVIDIA's public data sheets (H100 SXM5 / H200 SXM: dense BF16 989 TFLOP/s without
-# sparsity, HBM3 3.35 TB/s / HBM3e 4.8 TB/s, NVLink 4 900 GB/s). The rest are assumptions, not
-# data-sheet numbers: 80% of HBM bandwidth in decode GEMVs, 60% of peak in verify GEMMs, 40% MFU in
-# training, 1 ms of host time per engine step (CUDA graphs on), and 10 us of host time per emitted
-# token for the history drafters (prior + suffix: 5-16 us per token on the 2-core box, docs/results.md). One
-# measurement: a draft head's eager forward took 1.05-1.95 ms on the H200 at B = 1-64, launch-bound
-# (docs/results.md, "The second GPU run"); 1.2 ms is its B=1-8 figure at a 0.5B shape.
+# Peaks from NVIDIA's data sheets (H100 SXM5 / H200 SXM: dense BF16 989 TFLOP/s, HBM3 3.35 TB/s /
+# HBM3e 4.8 TB/s, NVLink 4 900 GB/s). Assumed, not data-sheet numbers: 80% of HBM bandwidth in decode,
+# 60% of peak in verify GEMMs, 40% MFU in training, 1 ms host time per engine step (CUDA graphs), 10 us
+# per emitted token for the history drafters (5-16 us on the 2-core box, docs/results.md). Measured: a
+# draft head's eager forward, 1.2 ms at B=1-8 on the H200 at a 0.5B shape (docs/results.md, "The
+# second GPU run").
 _GPU = dict(padded=False, step_overhead_s=1e-3, flops_eff=0.6, bw_eff=0.8, train_mfu=0.4, draft_token_s=1e-5,
             draft_step_overhead_s=1.2e-3)
 PRESETS = {"h100": Hardware("h100", 989e12, 3.35e12, 900e9, **_GPU),
@@ -100,8 +94,7 @@ class ModelShape:
                                + 3 * self.hidden * self.ffn) + self.vocab * self.hidden + self.extra_params
 
     def draft_head(self, draft_vocab: int | None = None) -> "ModelShape":
-        """EAGLE's head on this model (drafters/head.py): fc [2D -> D], one layer of this shape, the LM
-        head's rows of the draft vocabulary."""
+        """EAGLE's head (drafters/head.py): fc [2D -> D], one layer of this shape, the draft vocab's LM rows."""
         return replace(self, name=f"{self.name} head", layers=1, vocab=draft_vocab or self.vocab,
                        extra_params=2 * self.hidden * self.hidden)
 
@@ -142,8 +135,7 @@ MODELS = {"qwen3-8b": dict(model_type="qwen3", num_hidden_layers=36, hidden_size
 
 
 def load_model_config(spec: str) -> tuple[dict, str]:
-    """A preset name, a config.json, or any model form the trainer takes (an HF directory, a .gguf
-    file, a hub id: `models.hub.resolve_model`, the local cache included) -> (config dict, where)."""
+    """A preset, a config.json, or any model form `models.hub.resolve_model` takes -> (config, where)."""
     if spec in MODELS:
         return MODELS[spec], spec
     if Path(spec).is_file() and Path(spec).suffix == ".json":
@@ -175,12 +167,11 @@ SMALL_Q = 16      # engine/paged_attention.SMALL_Q: on CPU, steps up to this man
 def step_time(hw: Hardware, m: ModelShape, tp: int, rows: float, tokens: float, kv_read: float, pairs: float,
               verify: float = 0.0) -> float:
     """Seconds of one engine forward: `rows` sequences feed `tokens` query tokens (B*Q), read `kv_read`
-    cached tokens (sum of contexts) and score `pairs` (query, key) pairs.
+    cached tokens and score `pairs` (query, key) pairs.
         FLOPs = 2 * matmul_params * tokens + attn_flops_per_pair * pairs
         bytes = weights + (kv_read + tokens) * kv_bytes_per_token            (KV reads + writes)
     TP splits both over tp devices and adds 2 activation all-reduces per layer (ring: 2(tp-1)/tp).
-    On one CPU core the two do not overlap (hw.overlap False): SmolLM2's decode step at batch 1 takes its
-    weight bytes at ~6 GB/s, and each row adds its FLOPs on top (docs/results.md, issue 48)."""
+    On one CPU core they add (docs/results.md, issue 48: SmolLM2's batch-1 step reads at ~6 GB/s)."""
     compute = (2 * m.matmul_params * tokens + m.attn_flops_per_pair * pairs) / (tp * hw.flops * hw.flops_eff)
     nbytes = m.matmul_params * m.dtype_bytes + (kv_read + tokens) * m.kv_bytes_per_token
     memory = nbytes / (tp * hw.mem_bw * hw.bw_eff)
@@ -190,12 +181,9 @@ def step_time(hw: Hardware, m: ModelShape, tp: int, rows: float, tokens: float, 
 
 
 def engine_step(hw: Hardware, m: ModelShape, tp: int, qs: list | float, ctx: list, verify: float = 0.0) -> float:
-    """One engine forward: row b feeds qs[b] new tokens (qs a number: every row as many) after ctx[b]
-    cached ones. The linears see only the real tokens. nanospec's engine (engine/runner.py; hw.padded)
-    has every row gather the keys of the step's longest sequence, and a step of wide queries (a
-    prefill: Q > SMALL_Q) runs SDPA padded to the widest row too (narrow ones score each row at its
-    own width: paged_attention.query_groups); varlen kernels (vLLM's, the GPU presets) read and score
-    each row's own keys."""
+    """One forward: row b feeds qs[b] new tokens (a number: every row as many) after ctx[b] cached; the
+    linears see only real tokens. nanospec's engine (hw.padded) gathers the longest row's keys for every
+    row and pads a wide step (Q > SMALL_Q: a prefill) to the widest row; varlen kernels (vLLM's) do not."""
     B = len(ctx)
     if isinstance(qs, list):
         N, Q, C = sum(qs), max(qs), max(c + q for q, c in zip(qs, ctx))
@@ -209,29 +197,26 @@ def engine_step(hw: Hardware, m: ModelShape, tp: int, qs: list | float, ctx: lis
 
 
 def update_time(hw: Hardware, params: int, ranks: int) -> tuple[float, float]:
-    """An optimizer step's traffic over `params` fp32 weights on `ranks` ranks: (the gradient ring
-    all-reduce, 2 (n-1)/n * 4 * params bytes over one direction of the interconnect; AdamW, which reads
-    param, grad, m, v and writes param, m, v: 28 bytes/param)."""
+    """(ring all-reduce of `params` fp32 gradients over `ranks`: 2 (n-1)/n * 4 bytes each one way; AdamW:
+    reads param, grad, m, v and writes param, m, v: 28 bytes/param)."""
     allreduce = 2 * (ranks - 1) / ranks * 4 * params / (hw.interconnect_bw / 2) if ranks > 1 else 0.0
     return allreduce, 28 * params / (hw.mem_bw * hw.bw_eff)
 
 
 def train_time(hw: Hardware, m: ModelShape, seqs_per_rank: list[list[tuple[int, int]]], ref_model: bool) -> float:
-    """One optimizer step on len(seqs_per_rank) ranks, each over its (prompt, response) lengths: the
-    slowest rank's forward + backward (`train_compute`), then the gradient all-reduce and AdamW
-    (`update_time`) + the step's measured rest (clipping, AdamW's extra passes)."""
+    """One optimizer step: the slowest rank's forward + backward over its (prompt, response) lengths,
+    then `update_time` + the step's measured rest (clipping, AdamW's extra passes)."""
     compute = max(train_compute(hw, m, seqs_per_rank, ref_model))
     allreduce, adamw = update_time(hw, m.params, len(seqs_per_rank))
     return compute + allreduce + adamw + hw.train_overhead_s
 
 
 def train_compute(hw: Hardware, m: ModelShape, seqs_per_rank: list[list[tuple[int, int]]], ref_model: bool) -> list:
-    """Each rank's forward + backward seconds at train_mfu, over the trainer's own micro-batches
-    (rl/grpo.micro_batches: length-sorted, <= MICROBATCH_TOKENS padded tokens). A micro-batch of b
-    sequences padded to L tokens, T of them completion positions (the longest response):
-        decoder body: (6 [+ 2 reference]) * body params * b * L + 1.5 * attn_flops_per_pair * b * L^2
-        LM head, on the b * T completion positions only, in checkpointed chunks (forward, recomputed
-        forward, backward = 2 + 2 + 4) [+ 2 reference]: (8 [+ 2]) * vocab * hidden * b * T"""
+    """Each rank's forward + backward seconds at train_mfu over rl/grpo.micro_batches. A micro-batch of
+    b sequences padded to L tokens, T of them completions (the longest response):
+        body: (6 [+ 2 reference]) * body params * b * L + 1.5 * attn_flops_per_pair * b * L^2
+        LM head, on completions only, checkpointed (forward, recomputed forward, backward = 2 + 2 + 4)
+        [+ 2 reference]: (8 [+ 2]) * vocab * hidden * b * T"""
     from types import SimpleNamespace
     from nanospec.rl.grpo import micro_batches
     head = m.vocab * m.hidden
@@ -251,13 +236,11 @@ def train_compute(hw: Hardware, m: ModelShape, seqs_per_rank: list[list[tuple[in
 
 
 def head_train_time(hw: Hardware, head: ModelShape, st: dict, mode: str = "step") -> float:
-    """The draft head's online step (rl/grpo.train_head, drafters/head.head_loss) on the positions the
-    trace says it learned from (`head/positions`, per rank: whole sequences, so their prompts ride
-    along): UNROLL passes of forward + backward through its fc and layer over every token and its LM
-    rows over the counted positions, the teacher's forward over them, then `update_time` over its own
-    weights (fc and layer: the LM rows are the policy's).
-    mode (speculation.head_training): "bubble", the passes ran in the ranks' idle time and the step
-    pays only the all-reduce and AdamW; "off", a frozen head costs the step nothing."""
+    """The draft head's online step (rl/grpo.train_head) on the trace's `head/positions` per rank
+    (whole sequences: their prompts ride along): UNROLL forward + backward passes of its fc and layer
+    over every token and of its LM rows over the positions, the teacher's forward over them, then
+    `update_time` over its own weights (the LM rows are the policy's). mode "bubble": the passes ran
+    in idle time, the step pays only the update; "off": a frozen head costs nothing."""
     from nanospec.drafters.head import UNROLL
     ranks = max(len(st["measured"].get("rank_busy_time") or [1]), 1)
     body, rows = head.matmul_params - head.vocab * head.hidden, head.vocab * head.hidden
@@ -272,10 +255,8 @@ def head_train_time(hw: Hardware, head: ModelShape, st: dict, mode: str = "step"
 
 
 def weight_sync_time(hw: Hardware, m: ModelShape, colocated: bool, shared: bool = False) -> float:
-    """Colocated (sync): the engine copies the trainer's weights in device memory (read + write), or,
-    sharing the policy's tensors (an fp32 engine beside a replicated trainer), copies nothing.
-    Disaggregated (async): the weights are broadcast to the generation group over one direction of
-    the interconnect (a pipelined broadcast costs about one transfer)."""
+    """Colocated: a copy in device memory (read + write), or nothing when sharing the policy's tensors.
+    Disaggregated (async): a pipelined broadcast to the generation group, about one transfer one way."""
     nbytes = m.params * m.dtype_bytes
     if not colocated:
         return nbytes / (hw.interconnect_bw / 2)
@@ -287,12 +268,10 @@ DEVICE_BYTES = {"h100": 80e9, "h200": 141e9}     # HBM per GPU (data sheets)
 
 
 def memory_rows(m: ModelShape, ranks: int, kv_tokens: int, device_bytes: float) -> list[dict]:
-    """Bytes per rank of colocated GRPO (trainer and engine on every rank), replicated vs FSDP
-    (run.sharding). Training state in fp32 (master weights, gradients, both AdamW moments: 16 B per
-    parameter), over `ranks` under FSDP, which also holds two gathered layers in the engine's dtype while
-    it computes (the current one, the prefetched next); the engine keeps a whole copy in its dtype and
-    `kv_tokens` of KV cache. Gradients exist only while training; the KV pool only while rolling out
-    (sleep level 1), and at sleep level 2 the engine's weights are freed while training as well:
+    """GiB per rank of colocated GRPO, replicated vs FSDP (run.sharding). Training state in fp32 (16 B
+    per parameter), over `ranks` under FSDP, plus two gathered layers (current, prefetched); the engine
+    a whole copy in its dtype and `kv_tokens` of KV. Gradients exist only while training, the KV pool
+    only while rolling out, and at sleep level 2 the engine's weights are freed while training too:
     peak = max(training, rollout). Activations are left out (they scale with the micro-batch)."""
     P, G = m.params, 1024 ** 3
     layer = (m.matmul_params - m.vocab * m.hidden) / m.layers * m.dtype_bytes
@@ -312,9 +291,9 @@ def memory_rows(m: ModelShape, ranks: int, kv_tokens: int, device_bytes: float) 
 
 # ---- speculation --------------------------------------------------------------------------------------
 def leviathan(a: float | tuple, k: float) -> float:
-    """Expected tokens per verify of k drafts at per-token acceptance a (Leviathan et al., eq. 1), or
-    at per-position acceptances a = (a_1, a_2, ...), each given that the drafts before it were
-    accepted (a drafter's accept_pos<j>; the last repeats): 1 + sum_j prod_{i <= j} a_i."""
+    """Expected tokens per verify of k drafts at acceptance a (Leviathan et al., eq. 1), or at
+    per-position a = (a_1, a_2, ...), each given the drafts before (accept_pos<j>; the last repeats):
+    1 + sum_j prod_{i <= j} a_i."""
     if isinstance(a, tuple):
         out, reach = 1.0, 1.0
         for j in range(int(k)):
@@ -325,8 +304,7 @@ def leviathan(a: float | tuple, k: float) -> float:
 
 
 def alpha_from_rate(rate: float, k: float) -> float:
-    """The per-token acceptance a whose expected accepted/proposed at draft length k is `rate`
-    ((E(a, k) - 1) / k, increasing in a): bisection."""
+    """Bisection for the a whose accepted/proposed at draft length k, (E(a, k) - 1) / k, is `rate`."""
     lo, hi = 0.0, 1.0
     for _ in range(60):
         mid = (lo + hi) / 2
@@ -336,14 +314,12 @@ def alpha_from_rate(rate: float, k: float) -> float:
 
 @dataclass
 class Spec:
-    """How decode rows speculate. Spec() is AR. `drafters`: [(share of row-forwards that verify with it,
-    draft length k, acceptance a)], replayed as measured; `on`: share of engine steps that verify.
-    best_k > 0: every row drafts the k in 0..best_k that maximises tokens per second at this step's
-    B and C (an adaptive controller) with acceptance `drafters[0]`'s a. `head`: a draft head of this
-    shape drafts, and its forwards are priced: k per drafting step when choosing k; replayed, as the
-    trace's `head_use` = (share of engine steps it drafts on, forwards on each, rows in each);
-    `head_training`: how the trainer updates it (speculation.head_training: step, bubble or off);
-    `history`: history drafters run (they walk and insert every token their rows emit, drafting or not)."""
+    """How decode rows speculate; Spec() is AR. `drafters`: [(share of row-forwards verifying with it,
+    draft length k, acceptance a)], replayed; `on`: share of engine steps that verify. best_k > 0: each
+    step drafts the k in 0..best_k with the most tokens per second (an adaptive controller) at
+    `drafters[0]`'s a. `head`: a draft head of this shape, its forwards priced (k per drafting step, or
+    the trace's `head_use` = (share of steps it drafts on, forwards on each, rows in each));
+    `head_training`: step, bubble or off; `history`: history drafters run (host time per emitted token)."""
     drafters: tuple = ()
     on: float = 0.0
     best_k: int = 0
@@ -353,18 +329,15 @@ class Spec:
     history: bool = False
 
     def draft_time(self, hw: Hardware, B: int, C: float, k: float) -> float:
-        """A head's k forwards over B rows at context C (each one token a row: the catch-up rides on
-        the first), eager: its own host time per forward, not the graphed engine step's."""
+        """A head's k one-token forwards over B rows at context C, at its own host time per forward."""
         if self.head is None or k <= 0:
             return 0.0
         eager = replace(hw, step_overhead_s=hw.draft_step_overhead_s, seq_overhead_s=0.0, verify_overhead_s=0.0)
         return k * step_time(eager, self.head, 1, B, B, B * C, B * C)
 
     def drafting_time(self, hw: Hardware, B: int, C: float, q: float, emitted: float) -> float:
-        """One step's drafting beside the forward: the history drafters' host time per emitted token
-        (propose() walks each row's new tokens and inserts the finished responses, whether or not the
-        step drafts), and the chosen k's head forwards (q - 1 drafts a row) or, replaying a trace, the
-        head's expected forwards."""
+        """One step's drafting: the history drafters' time for the emitted tokens (drafting or not), and
+        the head's forwards: q - 1 when choosing k, else the trace's expectation."""
         history = self.history_time(hw, emitted)
         if self.best_k and self.head:
             return history + self.draft_time(hw, B, C, q - 1)
@@ -392,10 +365,9 @@ HISTORY_DRAFTERS = {name for name, m in METHODS.items() if not m.own_kv}   # the
 
 
 def spec_from_metrics(r: dict, head_cap: int | None = None) -> Spec:
-    """The trace's speculation: per drafter d, share = verify_steps_d / seq_forwards, k = proposed_d /
-    verify_steps_d, a from accepted_d / proposed_d at that k. A head runs one forward per draft position
-    of its longest draft in a step (`depth`); a trace older than that counter: `head_cap` forwards (its
-    num_draft_tokens) on every step that drafted."""
+    """Per drafter d: share = verify_steps_d / seq_forwards, k = proposed_d / verify_steps_d, a from
+    accepted_d / proposed_d at k. A head's forwards: its `depth` (longest draft per step), or, in an
+    older trace, `head_cap` (its num_draft_tokens) on every step that drafted."""
     rows = max(r["seq_forwards"], 1)
     ds = []
     for key in sorted(k for k in r if k.startswith("drafter/") and k.endswith("/verify_steps")):
@@ -417,8 +389,8 @@ RANK_KEYS = ("rank_seq_forwards", "rank_verify_steps", "rank_proposed_tokens", "
 
 
 def rank_specs(r: dict) -> list[Spec] | None:
-    """Per-rank speculation where the trace has the counters per rank (each rank's drafters merged):
-    ranks draft differently (a revisited prompt has a prior rollout to draft from, a new one not)."""
+    """Per-rank speculation (drafters merged) where the trace counts per rank: ranks draft differently
+    (a revisited prompt has a prior rollout to draft from, a new one not)."""
     if not all(isinstance(r.get(k), list) for k in RANK_KEYS):
         return None
     on = r.get("rank_spec_on_frac")            # an older trace lacks it: a rank that drafted, every step
@@ -430,15 +402,11 @@ def rank_specs(r: dict) -> list[Spec] | None:
 # ---- drain (event-driven) ---------------------------------------------------------------------------
 def drain(hw: Hardware, m: ModelShape, lay: Layout, groups: list, spec: Spec,
           rates: list | None = None) -> tuple[float, list]:
-    """One rank's rollout. groups: [(prompt_len, [response lengths])], admitted in order. As
-    engine/scheduler.py: a prefill step whenever a waiting sequence fits (max_seqs running), else a
-    decode step over every running one. Prefix caching: a group's other samples reuse the prompt's
-    full KV blocks and compute the rest (at least its last token); the prefill samples each
-    sequence's first token (a replayed row: its tokens per forward). A decode step moves
-    every row by its tokens per step (1 for AR; `spec`'s expectation; or, with `rates` [per group:
-    [(tokens per decode step, query tokens per step)] per sample], each row's own measured rate);
-    a row is done when its response is. -> (seconds, [(start, seconds, B, "prefill" | "decode", of
-    which drafting)] per step)."""
+    """One rank's rollout of groups [(prompt_len, [response lengths])], as engine/scheduler.py: a
+    prefill whenever a waiting sequence fits (max_seqs), else a decode step over the running ones.
+    Prefix caching: a group's later samples reuse the prompt's full KV blocks. Each step moves a row by
+    1 (AR), `spec`'s expectation, or its own measured rate (`rates`, per group: [(tokens, query tokens)
+    per forward] per sample). -> (seconds, [(start, seconds, B, "prefill" | "decode", drafting)])."""
     tp, max_seqs, bs = lay.tp, lay.max_seqs, lay.block_size
     cached = lambda p: min(bs * (p // bs), p - 1)       # prompt tokens a group's later samples reuse
     waiting = deque((p, L, j == 0, rates[g][j] if rates else None)
@@ -531,23 +499,17 @@ def read_run(path: str, prompt_len: int | None) -> tuple[list[dict], dict]:
     return out, {}
 
 
-def gsm8k_trace(path: str, prompts: int, G: int, steps: int, spec: Spec, scale: float = 1.0) -> list[dict]:
-    """GSM8K-like steps: reference solutions (calculator annotations removed) as response lengths and
-    questions as prompts, counted in word pieces: a digit, a word or a punctuation mark is one token
-    (0.88x SmolLM2's BPE count on GSM8K train answers). Prompts in file order, G consecutive answers
-    per group (lengths drawn from the data, not from one question), ranks filled by the layout;
-    `scale` stretches every response (reasoning models write longer solutions than the references)."""
+def gsm8k_trace(path: str, prompts: int, G: int, steps: int, scale: float = 1.0) -> list[dict]:
+    """GSM8K-like steps: questions as prompts, reference solutions (no calculator annotations) as
+    responses, in word pieces (0.88x SmolLM2's BPE count); prompts in file order, G consecutive answers
+    per group; `scale` stretches every response (reasoning models write longer than the references)."""
     piece = re.compile(r"\d|[A-Za-z]+|[^\sA-Za-z\d]")
     rows = [json.loads(ln) for ln in Path(path).read_text().splitlines() if ln.strip()]
     n = lambda s: len(piece.findall(s))
     ans = [round(scale * n(re.sub(r"<<[^>]*>>", "", r["answer"]))) + 1 for r in rows]      # + eos
-    out = []
-    for s in range(steps):
-        base = s * prompts
-        groups = [(n(rows[(base + i) % len(rows)]["question"]),
-                   [ans[((base + i) * G + j) % len(ans)] for j in range(G)]) for i in range(prompts)]
-        out.append(dict(step=s, groups=groups, ranks=None, spec=spec, measured={}))
-    return out
+    group = lambda i: (n(rows[i % len(rows)]["question"]), [ans[(i * G + j) % len(ans)] for j in range(G)])
+    return [dict(step=s, groups=[group(s * prompts + i) for i in range(prompts)], ranks=None, spec=Spec(),
+                 measured={}) for s in range(steps)]
 
 
 # ---- one step, a run ---------------------------------------------------------------------------------------
@@ -577,7 +539,6 @@ def simulate(trace: list[dict], hw: Hardware, m: ModelShape, lay: Layout, spec_m
     -> per-step sync timings and the sync / async per-step means."""
     sync, dp = [], lay.dp
     spec = lambda st: Spec() if spec_mode == "ar" else st["spec"]
-    seqs = lambda st: [(p, L) for p, ls in st["groups"] for L in ls]
     for st in trace:
         ro = rollout(hw, m, lay, st, dp, spec(st))
         share = [[(p, L) for (p, ls), r in zip(st["groups"], rank_of(st, dp)) if r == k for L in ls] for k in range(dp)]
@@ -588,7 +549,7 @@ def simulate(trace: list[dict], hw: Hardware, m: ModelShape, lay: Layout, spec_m
         part = lambda f: [sum(f(x) for x in steps) for steps in ro["steps"]]    # per rank
         sync.append(dict(step=st["step"], time_rollout=ro["time"], time_train=T, time_weight_sync=S,
                          time_head=H, time_step=ro["time"] + T + S + H, rank_busy_time=ro["busy"],
-                         rank_bubble_time=ro["bubble"], engine_steps=ro["steps"],
+                         rank_bubble_time=ro["bubble"],
                          rank_time_prefill=part(lambda x: (x[1] - x[4]) * (x[3] == "prefill")),
                          rank_time_decode=part(lambda x: (x[1] - x[4]) * (x[3] == "decode")),
                          rank_time_propose=part(lambda x: x[4]),
@@ -596,11 +557,10 @@ def simulate(trace: list[dict], hw: Hardware, m: ModelShape, lay: Layout, spec_m
     keys = ("time_rollout", "time_train", "time_weight_sync", "time_head", "time_step")
     out = dict(sync=sync, sync_mean={k: _mean([s[k] for s in sync]) for k in keys})
     if dp > 1:
-        out["async"] = min((async_pipeline(trace, hw, m, lay, g, spec, seqs, ref_model)
+        out["async"] = min((async_pipeline(trace, hw, m, lay, g, spec, ref_model)
                             for g in ([lay.gen_dp] if lay.gen_dp else range(1, dp))), key=lambda a: a["time_step"])
-    # async on the same ranks (nanospec's grpo.max_staleness: 1, a rollout thread beside the trainer):
-    # each device time-shares rollout t+1 with training t, so per step it does busy_r(t+1) + train(t);
-    # the pipeline removes the bubble (idle waiting), never work: max_r(busy_r(t+1) + T(t)) + S
+    # async on the same ranks (grpo.max_staleness: 1): each device time-shares rollout t+1 with training
+    # t, which removes the bubble, never work: max_r(busy_r(t+1) + T(t)) + S
     nxt = sync[1:] or sync
     shared = [max(b + s["time_train"] for b in n["rank_busy_time"]) + s["time_weight_sync"] + s["time_head"]
               for s, n in zip(sync, nxt)]
@@ -608,7 +568,7 @@ def simulate(trace: list[dict], hw: Hardware, m: ModelShape, lay: Layout, spec_m
     return out
 
 
-def async_pipeline(trace, hw, m, lay, gen, spec, seqs, ref_model) -> dict:
+def async_pipeline(trace, hw, m, lay, gen, spec, ref_model) -> dict:
     """`gen` ranks generate, dp - gen train. Rollout t+1 starts when rollout t ends and weights of step
     t-1 have arrived; training t starts when rollout t and training t-1 are done:
         roll_end[t] = max(roll_end[t-1], sync_end[t-2]) + R_t;  sync_end[t] = max(roll_end[t], sync_end[t-1]) + T_t + S
@@ -617,7 +577,7 @@ def async_pipeline(trace, hw, m, lay, gen, spec, seqs, ref_model) -> dict:
     roll, done, R, T = [], [], [], []
     for t, st in enumerate(trace):
         R.append(rollout(hw, m, lay, st, gen, spec(st))["time"])
-        all_seqs, n = seqs(st), lay.dp - gen
+        all_seqs, n = [(p, L) for p, ls in st["groups"] for L in ls], lay.dp - gen
         T.append(train_time(hw, m, [all_seqs[k::n] for k in range(n)], ref_model) / lay.tp)
         roll.append(max(roll[-1] if roll else 0.0, done[t - 2] if t >= 2 else 0.0) + R[-1])
         done.append(max(roll[-1], done[-1] if done else 0.0) + T[-1] + S)
@@ -636,13 +596,11 @@ CALIBRATIONS = 3    # fits per rank, medians taken per field
 LIGHT_PARAMS = 20e6  # above this many parameters the calibration is sized down (`calibrate`, light)
 
 
-def calibrated(cfg: dict, threads: int = 1, where: str = "config.json", ranks: int = 1,
-               device: str = "cpu") -> Hardware:
-    """This CPU (or, device="cuda", its GPU: the engine in bf16 with CUDA graphs, as a GPU run rolls
-    out), fitted to nanospec's own engine and trainer on a randomly initialised model of this
-    shape, `ranks` processes calibrating at once as a run's ranks run (they share caches and memory
-    bandwidth), cached on disk like engine/latency.py's profiles (keyed by shape, threads, ranks, CPU
-    or GPU and torch version). Calibrate on an idle machine: another busy process doubles every time here."""
+def calibrated(cfg: dict, threads: int, where: str, ranks: int, device: str) -> Hardware:
+    """This CPU (device="cuda": its GPU, the engine in bf16 with CUDA graphs) fitted by `calibrate`, as
+    `ranks` processes at once as a run's ranks (they share caches and memory bandwidth); cached like
+    engine/latency.py's profiles (keyed by shape, threads, ranks, machine and torch version).
+    Calibrate on an idle machine: another busy process doubles every time here."""
     import multiprocessing
     import platform
     import torch
@@ -663,8 +621,8 @@ def calibrated(cfg: dict, threads: int = 1, where: str = "config.json", ranks: i
     if os.getloadavg()[0] > 0.5:
         print(f"simulate: the box is busy (1-minute load {os.getloadavg()[0]:.1f}): the calibration will price "
               f"that contention", flush=True)
-    # the embedded ~4M model gets the full calibration; a real model's forwards, drains and backward
-    # cost ~30x more each, so it gets one fit per rank over a smaller grid, shorter drains, fewer steps
+    # a real model's forwards, drains and backward cost ~30x the embedded ~4M model's: one fit per rank,
+    # a smaller grid, shorter drains, fewer steps
     params = ModelShape.from_config(cfg, where, "float32").params
     light = params > LIGHT_PARAMS
     fits_per_rank = 1 if light else CALIBRATIONS
@@ -709,14 +667,12 @@ def _calibrate_rank(cfg, threads, where, barrier, queue, fits: int, light: bool,
 
 def calibrate(cfg: dict, threads: int, where: str, sync=lambda: None, light: bool = False, log=None,
               device: str = "cpu") -> Hardware:
-    """Fit Hardware to this CPU with nanospec's own code on a random model of this shape (fp32, one
-    process, `threads` torch threads; ~1 min, then cached by `calibrated`); device="cuda": to its GPU
-    (the engine in bf16 with CUDA graphs, the trainer in fp32 there, every timing after a synchronize).
-    Three phases, each fitting its own fields: the forward's roofline (`_fit_roofline`, then the CPU's
-    repack and a draft head's host time), the engine's host time (`_fit_engine_overheads`), the trainer
-    (`_fit_trainer`); without a process group the interconnect is a tensor copy (ranks on one host
-    exchange through its memory). light: a smaller grid, shorter drains and fewer trainer steps (a real
-    model); log: called with each phase's elapsed time (progress)."""
+    """Fit Hardware to this CPU (fp32, `threads` torch threads) or GPU (engine in bf16 with CUDA graphs,
+    trainer in fp32, timings after a synchronize) with nanospec's own code on a random model of this
+    shape, in phases: the roofline (`_fit_roofline`, the CPU's repack, a draft head's host time), the
+    engine's host time (`_fit_engine_overheads`), the trainer (`_fit_trainer`); without a process group
+    the interconnect is a tensor copy (ranks on one host exchange through its memory). light: a smaller
+    grid, shorter drains, fewer steps (a real model); log: gets each phase's elapsed time."""
     import numpy as np
     import torch
     torch.set_num_threads(threads)
@@ -751,7 +707,7 @@ def calibrate(cfg: dict, threads: int, where: str, sync=lambda: None, light: boo
 
 
 def _calibration_engine(cfg: dict, where: str, device: str) -> tuple:
-    """-> (LLM, ModelArgs, max_model_len): a random model of this shape behind the trainer's drafters and controller."""
+    """-> (LLM, ModelArgs, max_model_len): a random model of this shape, the trainer's drafters and controller."""
     from nanospec.config import SpeculationConfig
     from nanospec.engine.llm import LLM
     from nanospec.models.decoder import CausalLM, ModelArgs
@@ -796,9 +752,8 @@ def _fit_roofline(llm, m: ModelShape, maxlen: int, med, light: bool, gpu: bool, 
 
 
 def repack_time(llm, med) -> float:
-    """Seconds the first engine step after an in-place weight update (an optimizer step into shared
-    weights, or LLM.load_weights) adds on CPU: every PackedLinear rebuilds its oneDNN layout (SmolLM2's
-    figure: docs/results.md, the simulator on the real-model seed table)."""
+    """Seconds an in-place weight update adds to the next engine step on CPU: every PackedLinear
+    rebuilds its oneDNN layout (SmolLM2's figure: docs/results.md, the real-model seed table)."""
     import torch
     step = lambda: llm.time_forward(1, 16, 1)
 
@@ -819,9 +774,8 @@ def _fit_engine_overheads(llm, hw: Hardware, m: ModelShape, vocab: int, light: b
     from nanospec.engine.sequence import SamplingParams
 
     def drain_steps(spec: bool, seed: int) -> list:      # [(B, C, Q, seconds)] of decode steps
-        """A GRPO-like drain: 8 prompts (6-48 tokens) x 8 greedy samples, each stopping at a log-uniform
-        4-128 tokens (light: 2 x 8 of 32-96-token prompts, a CPU rank's batch of a real model's GRPO),
-        so B shrinks and C grows as in a rollout: every step meets a new shape (oneDNN builds kernels
+        """A GRPO-like drain: 8 prompts x 8 greedy samples of log-uniform 4-128 tokens (light: 2 x 8), so
+        B shrinks and C grows as in a rollout and every step meets a new shape (oneDNN builds kernels
         per shape: ~1.5 ms a step here, which repeated-shape timings would miss)."""
         llm.speculate = spec
         g = torch.Generator().manual_seed(seed)
@@ -864,10 +818,9 @@ def _fit_engine_overheads(llm, hw: Hardware, m: ModelShape, vocab: int, light: b
 
 def _fit_trainer(hw: Hardware, m: ModelShape, args, device: str, light: bool, prompt_range: tuple, sync, wait,
                  done) -> Hardware:
-    """Phase 3: trainer steps on a fresh policy, their parts timed apart: forward + backward -> train_mfu
-    (through the origin: the runs' per-step rest outside them, rank_time_prepare, is ~0); clipping +
-    AdamW -> train_overhead_s beyond AdamW's modelled traffic; the ranks' gradient all-reduce over gloo
-    (rl/dist.all_reduce_grads, as Trainer._optimizer_step) -> interconnect_bw."""
+    """Phase 3: trainer steps on a fresh policy, timed apart: forward + backward -> train_mfu (through
+    the origin: a run's rank_time_prepare is ~0); clip + AdamW -> train_overhead_s beyond AdamW's
+    modelled traffic; the gradient all-reduce over gloo (rl/dist.all_reduce_grads) -> interconnect_bw."""
     import torch
     from nanospec.models.decoder import CausalLM
     from nanospec.rl.dist import all_reduce_grads
@@ -879,8 +832,7 @@ def _fit_trainer(hw: Hardware, m: ModelShape, args, device: str, light: bool, pr
     opt = torch.optim.AdamW(params, lr=1e-6)
 
     def train_step(n: int, seed: int) -> tuple[list, float, float, float]:
-        """n samples of 8 per prompt (prompts 6-48 tokens, light: 32-96; responses log-uniform 2-128)
-        -> (lengths, forward + backward s, all-reduce s, clip + AdamW s)."""
+        """n samples, 8 per prompt -> (lengths, forward + backward s, all-reduce s, clip + AdamW s)."""
         g = torch.Generator().manual_seed(seed)
         rnd = lambda lo, hi: int(torch.randint(lo, hi, (1,), generator=g))
         plen = [rnd(*prompt_range) for _ in range(n // 8)]
@@ -922,11 +874,10 @@ def _fit_trainer(hw: Hardware, m: ModelShape, args, device: str, light: bool, pr
 
 
 def head_overhead(llm, m: ModelShape, hw: Hardware, maxlen: int, med, reps: int) -> float:
-    """A draft head's host time per forward beyond its roofline: a fresh head (drafters/head.py) on the
-    engine's block tables, timed by LLM.time_forward at B in {1, 16}, C in {16, maxlen / 2}; the median
-    residual. (Its drafts do not matter here, only its time.) Its draft vocabulary is small (`make
-    head`'s 4,096), so that the residual is host time and not a full LM head the roofline prices short
-    (SmolLM2's 49,152 rows at 16 rows a forward: 9-11 ms of residual against 0.7-2 ms with 4,096)."""
+    """A fresh draft head's host time per forward beyond its roofline: the median residual of
+    LLM.time_forward at B in {1, 16}, C in {16, maxlen / 2}. Its draft vocabulary is `make head`'s 4,096,
+    so the residual is host time, not a full LM head the roofline prices short (SmolLM2's 49,152 rows
+    at 16 rows: 9-11 ms of residual against 0.7-2 ms)."""
     import warnings
     from nanospec.drafters.base import DraftTarget
     from nanospec.drafters.head import head_drafter
@@ -952,9 +903,9 @@ def _cfg(cfg: dict, *keys, default=None):
 
 
 def table(res: dict, modes: tuple, dp: int) -> list[dict]:
-    """Rows sync / async (a generation group and a training group) / async on the same ranks, x AR /
-    spec, seconds per step. rollout_speedup: rollout throughput per generating rank vs AR in the same
-    mode (async AR and spec may split the ranks differently); step_speedup: vs sync AR."""
+    """Rows sync / async (split) / async on the same ranks x AR / spec, seconds per step.
+    rollout_speedup: rollout throughput per generating rank vs AR in the same mode (async AR and spec
+    may split the ranks differently); step_speedup: vs sync AR."""
     rows, base = [], res["ar"]["sync_mean"]["time_step"]
     kinds = {"sync": ["sync_mean"], "async": ["async", "async_shared"]}
     for mode in [k for m in modes for k in kinds[m]]:
@@ -984,11 +935,12 @@ def validate(label: str, trace: list[dict], res: dict) -> list[dict]:
     """Predicted (the trace's own speculation replayed) vs measured, means over the steps. An
     off-policy run (`staleness` 1) time-shares each rank: only its step time compares."""
     out, off = [], any(st["measured"].get("staleness") for st in trace)
+    add = lambda metric, meas, pred: out.append(dict(run=label, metric=metric, measured=meas, predicted=pred,
+                                                     error_pct=100 * (pred - meas) / meas))
     for key in ("time_step",) if off else ("time_rollout", "time_train", "time_weight_sync", "time_head", "time_step"):
         meas = _mean([st["measured"].get("head/time" if key == "time_head" else key) for st in trace])
         if meas:
-            pred = res["spec"]["async_shared" if off else "sync_mean"][key]
-            out.append(dict(run=label, metric=key, measured=meas, predicted=pred, error_pct=100 * (pred - meas) / meas))
+            add(key, meas, res["spec"]["async_shared" if off else "sync_mean"][key])
     # by part, mean over ranks (runs that recorded them): engine forwards (decode: verify and the step's
     # host work), drafting, the trainer's forward + backward; `other` has no predicted counterpart
     rank_mean = lambda r, k: _mean(r.get(k) or [None])
@@ -1002,9 +954,8 @@ def validate(label: str, trace: list[dict], res: dict) -> list[dict]:
         if meas:
             if key == "decode":      # the simulator's decode step holds all of a step's host time
                 meas += _mean([other(st["measured"]) for st in trace])
-            pred = _mean([rank_mean(s, f"rank_time_{key}") for s in res["spec"]["sync"]])
-            out.append(dict(run=label, metric=f"rank {key}" + (" + host" if key == "decode" else ""),
-                            measured=meas, predicted=pred, error_pct=100 * (pred - meas) / meas))
+            add(f"rank {key}" + (" + host" if key == "decode" else ""), meas,
+                _mean([rank_mean(s, f"rank_time_{key}") for s in res["spec"]["sync"]]))
     return out
 
 
@@ -1073,13 +1024,12 @@ def _traces(a) -> tuple[list, dict]:
     runs, cfg = read_run(a.run, a.prompt_len) if a.run else ([], {})
     runs = [(label, tr[a.skip:] if len(tr) > a.skip else tr) for label, tr in runs]
     if a.lengths:
-        if a.lengths == "gsm8k":
-            from nanospec.tasks.dataset import default_gsm8k_dir
+        from nanospec.tasks.dataset import default_gsm8k_dir
         path = default_gsm8k_dir() / "train.jsonl" if a.lengths == "gsm8k" else Path(a.lengths)
         if a.acceptance is None:
             raise ValueError("--lengths needs --acceptance (the drafts' per-token acceptance)")
         runs = [(f"gsm8k x{a.prompts}x{a.G}" + (f", lengths x{a.length_scale:g}" if a.length_scale != 1 else ""),
-                 gsm8k_trace(str(path), a.prompts, a.G, a.steps, Spec(), a.length_scale))]
+                 gsm8k_trace(str(path), a.prompts, a.G, a.steps, a.length_scale))]
     if a.acceptance is not None:
         best = Spec(((1.0, a.draft_len, a.acceptance),), 1.0, a.draft_len, history=a.drafter == "history")
         runs = [(label, [dict(st, spec=best, rank_specs=None, rates=None) for st in tr]) for label, tr in runs]
@@ -1117,9 +1067,6 @@ def _report_run(a, label: str, trace: list[dict], hw: Hardware, m: ModelShape, l
                      f"(mean {sum(lens) / max(len(lens), 1):.0f} tokens), projected seconds per step")
     if val:
         print_rows(val, f"{label}: predicted (trace replayed) vs measured, mean per step")
-    for kind in res:     # the engine-step timelines are for plots, not the JSON
-        for s in res[kind]["sync"]:
-            s.pop("engine_steps")
     if a.plot and a.run and Path(a.run).is_dir():
         from tools.report import plot_sim_timeline
         print("wrote", plot_sim_timeline([st["measured"] for st in trace], res["spec"]["sync"], a.plot))
@@ -1132,6 +1079,7 @@ def main(argv: list[str] | None = None) -> int:
         runs, cfg = _traces(a)
         m, mcfg, where, runs = _model_shape(a, cfg, runs)
         first = runs[0][1][0]["measured"] if runs and runs[0][1] else {}
+        ranks = len(first.get("rank_busy_time") or [0])          # the run's
         if a.hardware == "cuda":
             import torch
             if not torch.cuda.is_available():
@@ -1141,21 +1089,20 @@ def main(argv: list[str] | None = None) -> int:
                              f"parameters in fp32): pass a GPU preset ({', '.join(PRESETS)}) or a hardware JSON")
         if a.hardware in ("cpu", "cuda"):
             hw = calibrated(mcfg, a.threads or _cfg(cfg, "run", "num_threads", default=1), where,
-                            a.dp or len(first.get("rank_busy_time") or [0]), a.hardware)
+                            a.dp or ranks, a.hardware)
         elif a.hardware in PRESETS:
             hw = PRESETS[a.hardware]
         else:
             hw = Hardware(**json.loads(Path(a.hardware).read_text()))
-        lay = Layout(a.dp or len(first.get("rank_busy_time") or [0]), a.tp, a.gen_dp,
+        lay = Layout(a.dp or ranks, a.tp, a.gen_dp,
                      a.max_seqs or _cfg(cfg, "rollout", "max_num_seqs", default=64 if a.run else 256),
                      _cfg(cfg, "rollout", "block_size", default=16))
         ref = _cfg(cfg, "grpo", "beta", default=0.0) > 0
-        # measured vs predicted only for a replay of the run as it ran (its machine: cpu, a hardware
-        # JSON such as a saved calibration, or a GPU preset for a run that rolled out on a GPU; its
-        # ranks and drafts)
+        # measured vs predicted only for a replay of the run as it ran: its machine (cpu, a hardware
+        # JSON, or a GPU preset for a GPU run), its ranks and drafts
         on_gpu = str(_cfg(cfg, "rollout", "device", default="cpu")).startswith("cuda")
         projecting = ((a.hardware in PRESETS and not on_gpu) or lay.tp != 1 or a.acceptance is not None
-                      or lay.dp != len(first.get("rank_busy_time") or [0]))
+                      or lay.dp != ranks)
         lay = replace(lay, shared_weights=bool(a.run) and not projecting and not a.dtype
                       and _cfg(cfg, "rollout", "dtype", default="float32") == "float32"
                       and not _cfg(cfg, "rollout", "use_cuda_graphs", default=False)
