@@ -2,18 +2,14 @@
 
     python -m tools.report RUN_DIR [RUN_DIR ...] [--compare OTHER_RUN_DIR [OTHER_RUN_DIR ...]]
 
-reads RUN_DIR/metrics.jsonl (one JSON object per GRPO optimizer step, times in seconds) and writes
-RUN_DIR/report_*.png + RUN_DIR/report.md. Why these pictures: in a batched GRPO rollout every rank
-waits for its slowest sequence, so the long tail of response lengths leaves ranks idle (the
-"bubble"); the timeline shows that bubble and how much of it bubble drafting recovered, the quality
-plot checks that speculation did not change learning (exactness => AR and speculative curves agree
-within noise), the speculation plot shows why it did or did not pay (accepted length per target
-forward). Several run dirs on either side are one arm, run on several seeds: its curves are the mean
-over the runs with a band of +-1 standard deviation, and a seed table gives each run's final eval
-with a Welch t-test between the two arms (one RL run is one draw; the claim "speculation changes
-time, never the curve" needs the spread). Every metric except `step` is optional: a missing one
-skips its panel with a note.
-Uses matplotlib's object API (Figure + Agg canvas, no pyplot state), imported lazily.
+reads RUN_DIR/metrics.jsonl (one JSON object per GRPO step, times in seconds) and writes
+RUN_DIR/report_*.png and report.md. The timeline shows the bubble (every rank waits for the slowest
+sequence) and how much of it bubble drafting recovered; the quality plot checks that speculation did
+not change learning (exact: AR and speculative curves agree within noise); the speculation plot shows
+why it did or did not pay. Several run dirs on a side are one arm's seeds: mean curves, +-1 std bands
+and a seed table with a Welch t-test (one RL run is one draw: "speculation changes time, never the
+curve" needs the spread). Every metric but `step` is optional: a missing one skips its panel.
+matplotlib's object API (Figure + Agg canvas, no pyplot state), imported lazily.
 """
 from __future__ import annotations
 
@@ -51,8 +47,7 @@ def _check_value(key: str, v) -> str | None:
 
 
 def load_metrics(path: str) -> list[dict]:
-    """Parse and validate a metrics.jsonl; blank lines are ignored. Raises ValueError naming
-    the file and 1-based line number on any problem."""
+    """Parse and validate a metrics.jsonl (blank lines ignored); ValueError names file and line."""
     if not os.path.isfile(path):
         raise ValueError(f"{path}: metrics file not found")
     recs = []
@@ -147,49 +142,58 @@ def _save(fig, out):
     return out
 
 
-def plot_timeline(recs, out) -> str | None:
-    """Gantt-style: one row per rank, steps end to end. Returns None if no per-rank times."""
-    if not any(_busy(r) for r in recs):
-        return None
-    cats = {"rollout busy": "tab:blue", "bubble: drafting": "tab:green", "bubble: idle": "lightgray",
-            "train": "tab:orange", "weight sync": "tab:purple"}
-    nr = max(len(_busy(r)) for r in recs)
-    segs = {c: [[] for _ in range(nr)] for c in cats}
-    t0 = 0.0
+def _rank_bars(ax, recs, nr: int, cats: dict, bubble) -> float:
+    """recs' steps end to end on ax, a row per rank: rollout busy, the bubble's parts (bubble(r, i, b, R)
+    -> [(category, seconds)]), train, weight sync; a bar set per category and rank. -> total seconds."""
+    segs, t0 = {c: [[] for _ in range(nr)] for c in cats}, 0.0
     for r in recs:
-        busy, bub, drf = _busy(r), _rank_list(r, "rank_bubble_time"), _rank_list(r, "rank_bubble_draft_time")
         R, T, S, total = _step_parts(r)
-        for i, b in enumerate(busy):
-            u = bub[i] if bub and i < len(bub) else max(0.0, R - b)
-            d = min(drf[i], u) if drf and i < len(drf) else 0.0
-            for c, seg in (("rollout busy", (t0, b)), ("bubble: drafting", (t0 + b, d)),
-                           ("bubble: idle", (t0 + b + d, u - d)), ("train", (t0 + R, T)),
-                           ("weight sync", (t0 + R + T, S))):
+        for i, b in enumerate(_busy(r)):
+            x, parts = t0 + b, [("rollout busy", (t0, b))]
+            for c, w in bubble(r, i, b, R):
+                parts.append((c, (x, w)))
+                x += w
+            for c, seg in parts + [("train", (t0 + R, T)), ("weight sync", (t0 + R + T, S))]:
                 if seg[1] > 0:
                     segs[c][i].append(seg)
         t0 += total
-    fig = _figure(7, 0.5 * nr + 1.6)
-    ax = fig.subplots()
     for c, color in cats.items():
         for i in range(nr):
             if segs[c][i]:
                 ax.broken_barh(segs[c][i], (i - 0.4, 0.8), facecolors=color,
                                hatch="//" if c == "bubble: drafting" else None,
                                label=c if not any(segs[c][:i]) else None)
-    h = headline(recs)
-    frac = h["bubble fraction recovered"]
-    ax.set_title("per-rank timeline" + (f" - bubble recovered {frac:.0%}" if frac is not None else ""), fontsize=9)
     ax.set_yticks(range(nr), [f"rank {i}" for i in range(nr)])
-    ax.set_xlabel("time (s)")
     ax.invert_yaxis()
+    return t0
+
+
+def plot_timeline(recs, out) -> str | None:
+    """Gantt-style: one row per rank, steps end to end. Returns None if no per-rank times."""
+    if not any(_busy(r) for r in recs):
+        return None
+    cats = {"rollout busy": "tab:blue", "bubble: drafting": "tab:green", "bubble: idle": "lightgray",
+            "train": "tab:orange", "weight sync": "tab:purple"}
+
+    def bubble(r, i, b, R):     # the recorded bubble (else the wait for the slowest rank), drafting first
+        bub, drf = _rank_list(r, "rank_bubble_time"), _rank_list(r, "rank_bubble_draft_time")
+        u = bub[i] if bub and i < len(bub) else max(0.0, R - b)
+        d = min(drf[i], u) if drf and i < len(drf) else 0.0
+        return [("bubble: drafting", d), ("bubble: idle", u - d)]
+    nr = max(len(_busy(r)) for r in recs)
+    fig = _figure(7, 0.5 * nr + 1.6)
+    ax = fig.subplots()
+    _rank_bars(ax, recs, nr, cats, bubble)
+    frac = headline(recs)["bubble fraction recovered"]
+    ax.set_title("per-rank timeline" + (f" - bubble recovered {frac:.0%}" if frac is not None else ""), fontsize=9)
+    ax.set_xlabel("time (s)")
     ax.legend(fontsize=6, ncol=5, loc="upper center", bbox_to_anchor=(0.5, -0.25))
     return _save(fig, out)
 
 
 def plot_sim_timeline(measured: list[dict], simulated: list[dict], out: str) -> str:
-    """Measured vs simulated (`python -m tools.simulate --plot`) per-rank timelines of the same steps,
-    one panel each on one time axis: rollout busy, bubble (idle), train, weight sync. Both lists hold
-    metrics-like dicts (`rank_busy_time`, `rank_bubble_time`, `time_rollout`, `time_train`, ...)."""
+    """Measured vs simulated (`tools.simulate --plot`) per-rank timelines of the same metrics-like
+    steps, one panel each on one time axis: rollout busy, bubble (idle), train, weight sync."""
     if not measured or not simulated:
         raise ValueError("plot_sim_timeline: expected non-empty measured and simulated step lists")
     cats = {"rollout busy": "tab:blue", "bubble": "lightgray", "train": "tab:orange", "weight sync": "tab:purple"}
@@ -197,18 +201,8 @@ def plot_sim_timeline(measured: list[dict], simulated: list[dict], out: str) -> 
     fig = _figure(7, 1.0 * nr + 2.4)
     axes = fig.subplots(2, 1, sharex=True)
     for ax, (title, recs) in zip(axes, (("measured", measured), ("simulated", simulated))):
-        t0 = 0.0
-        for r in recs:
-            busy, (R, T, S, total) = _busy(r), _step_parts(r)
-            for i, b in enumerate(busy):
-                for c, (x, w) in (("rollout busy", (t0, b)), ("bubble", (t0 + b, R - b)), ("train", (t0 + R, T)),
-                                  ("weight sync", (t0 + R + T, S))):
-                    if w > 0:
-                        ax.broken_barh([(x, w)], (i - 0.4, 0.8), facecolors=cats[c])
-            t0 += total
-        ax.set_title(f"{title}: {len(recs)} steps, {t0:.2f} s", fontsize=9)
-        ax.set_yticks(range(nr), [f"rank {i}" for i in range(nr)])
-        ax.invert_yaxis()
+        t = _rank_bars(ax, recs, nr, cats, lambda r, i, b, R: [("bubble", R - b)])
+        ax.set_title(f"{title}: {len(recs)} steps, {t:.2f} s", fontsize=9)
     axes[-1].set_xlabel("time (s)")
     from matplotlib.patches import Patch
     axes[-1].legend([Patch(color=c) for c in cats.values()], list(cats), fontsize=6, ncol=4, loc="upper center",
@@ -216,11 +210,9 @@ def plot_sim_timeline(measured: list[dict], simulated: list[dict], out: str) -> 
     return _save(fig, out)
 
 
-def _line_panels(runs, panels, out, title, spreads=None):
-    """runs: [(label, recs)]; panels: [(ylabel, [(key, legend)])]. Colour = key, linestyle = run.
-    spreads: per run, {key: {step: std over seeds}} (an arm of several runs). Returns (path or None,
-    notes for panels that had no data)."""
-    spreads = spreads or [{} for _ in runs]
+def _line_panels(runs, panels, out, title, spreads):
+    """runs: [(label, recs)]; panels: [(ylabel, [(key, legend)])]; spreads: per run, {key: {step: std
+    over seeds}}. Colour = key, linestyle = run. -> (path or None, notes for panels with no data)."""
     has = lambda k: any(_series(recs, k)[0] for _, recs in runs)
     active = [(yl, [kl for kl in keys if has(kl[0])]) for yl, keys in panels]
     notes = [f"{yl}: no {'/'.join(f'`{k}`' for k, _ in keys)}" for (yl, keys), (_, a) in zip(panels, active) if not a]
@@ -237,16 +229,16 @@ def _line_panels(runs, panels, out, title, spreads=None):
                     continue
                 name = f"{label}: {leg}" if len(runs) > 1 else leg
                 ax.plot(xs, ys, color=f"C{ci}", ls=("-", "--")[ri % 2], marker=".", ms=3, lw=1, label=name)
+                band = lambda sd, **kw: ax.fill_between(xs, [y - s for y, s in zip(ys, sd)],
+                                                        [y + s for y, s in zip(ys, sd)], color=f"C{ci}", **kw)
                 spread = spreads[ri].get(key)
                 if spread:                                    # several seeds: mean +- std over them
-                    sd = [spread.get(x, 0.0) for x in xs]
-                    ax.fill_between(xs, [y - s for y, s in zip(ys, sd)], [y + s for y, s in zip(ys, sd)],
-                                    color=f"C{ci}", alpha=0.15 if ri == 0 else 0.08, hatch=None if ri == 0 else "//")
+                    band([spread.get(x, 0.0) for x in xs], alpha=0.15 if ri == 0 else 0.08,
+                         hatch=None if ri == 0 else "//")
                 elif key == "reward_mean":
                     sx, sd = _series(recs, "reward_std")
                     if sx == xs:
-                        ax.fill_between(xs, [y - s for y, s in zip(ys, sd)], [y + s for y, s in zip(ys, sd)],
-                                        color=f"C{ci}", alpha=0.12)
+                        band(sd, alpha=0.12)
         ax.set_ylabel(yl, fontsize=8)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=6)
@@ -313,8 +305,8 @@ def _label(run_dir, recs):
 
 
 def mean_over_runs(runs: list[list[dict]]) -> tuple[list[dict], dict]:
-    """Several runs of one arm -> (one record per step every run has: the mean of each numeric key,
-    lists elementwise; the first run's value otherwise, {key: {step: std over runs}})."""
+    """One arm's runs -> (a record per step all have: numbers and lists averaged, else the first run's
+    value; {key: {step: std over runs}})."""
     steps = sorted(set.intersection(*({r["step"] for r in recs} for recs in runs)))
     by_step = [{r["step"]: r for r in recs} for recs in runs]
     out, spread = [], {}
@@ -382,8 +374,8 @@ TRAIN_PANELS = [
 
 
 def write_report(run_dir, compare_dir=None) -> str:
-    """Write report_*.png and report.md into the (first) run dir; returns the report.md path.
-    run_dir / compare_dir: a run dir, or a list of run dirs of one arm (seeds)."""
+    """Write report_*.png and report.md into the (first) run dir -> report.md's path. run_dir /
+    compare_dir: a run dir, or a list of one arm's run dirs (seeds)."""
     as_list = lambda d: [] if d is None else [d] if isinstance(d, (str, os.PathLike)) else list(d)
     arms = []
     for dirs in (as_list(run_dir), as_list(compare_dir)):
@@ -394,8 +386,6 @@ def write_report(run_dir, compare_dir=None) -> str:
     run_dir = arms[0][1][0]
     merged = [mean_over_runs(runs) if len(runs) > 1 else (runs[0], {}) for _, _, runs in arms]
     runs = [(label, recs) for (label, _, _), (recs, _) in zip(arms, merged)]
-    spreads = [sp for _, sp in merged]
-    recs = runs[0][1]
     dr = sorted({k.split("/")[1] for _, rs in runs for r in rs for k in r if k.count("/") == 2 and k[:8] == "drafter/"})
     per = lambda m: [(f"drafter/{d}/{m}", d) for d in dr]
     p = lambda name: os.path.join(run_dir, f"report_{name}.png")
@@ -415,7 +405,7 @@ def write_report(run_dir, compare_dir=None) -> str:
         lines.append(f"_Skipped: {why}._" if path is None else f"![{title}]({os.path.basename(path)})")
         lines.extend(f"- _no data for {n}; panel skipped._" for n in notes)
 
-    section("Per-rank timeline", plot_timeline(recs, p("timeline")),
+    section("Per-rank timeline", plot_timeline(runs[0][1], p("timeline")),
             why="no `rank_busy_time` / `rank_rollout_time` in metrics")
     lines += ["", "Rows are ranks; grey = idle bubble waiting for the slowest rank, hatched green = bubble spent "
                  "pre-generating drafts." + (" (main run only)" if len(runs) > 1 else "")]
@@ -426,7 +416,7 @@ def write_report(run_dir, compare_dir=None) -> str:
             ("spec on frac", [("spec_on_frac", "spec on"), ("bubble_recovered_frac", "bubble recovered")])]
     for title, panels, name in (("Reward, accuracy, response length", QUALITY_PANELS, "quality"),
                                 ("Speculation", spec, "speculation"), ("Training health", TRAIN_PANELS, "training")):
-        path, notes = _line_panels(runs, panels, p(name), title, spreads)
+        path, notes = _line_panels(runs, panels, p(name), title, [sp for _, sp in merged])
         section(title, path, notes, why="none of its metrics present")
     section("Step-time breakdown", plot_step_time(runs, p("step_time")),
             why="no `time_rollout` / `time_train` / `time_weight_sync`")
