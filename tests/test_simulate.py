@@ -271,6 +271,27 @@ def test_light_calibration_times_each_part_on_a_tiny_model():
     assert sim.train_compute(hw, sim.ModelShape.from_config(TINY, "tiny"), [lens, []], False)[1] == 0.0
 
 
+def test_the_trainer_fit_trains_the_checkpoints_own_weights(tmp_path, monkeypatch):
+    """A model with weights beside its config.json is timed on them (a random init trains slower on
+    CPU); without weights, on a random init of its shape."""
+    import torch
+    from nanospec.models.decoder import CausalLM, ModelArgs
+    args = ModelArgs.from_hf(dict(TINY, max_position_embeddings=256), "tiny")
+    loaded = []
+
+    def load_model(path, device="cpu"):
+        loaded.append(path)
+        return CausalLM(args)
+    monkeypatch.setattr("nanospec.models.loader.load_model", load_model)
+    m, hw = sim.ModelShape.from_config(TINY, "tiny"), sim.Hardware("cpu", 1e9, 1e9, 1e9, overlap=False)
+    fit = lambda where: sim._fit_trainer(hw, m, args, "cpu", True, (6, 12), lambda: None, lambda: None,
+                                         lambda _: None, where)
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    assert fit(str(tmp_path / "config.json")).train_mfu > 0 and loaded == []        # no weights: random init
+    torch.save({}, tmp_path / "model.safetensors")                                  # (only its presence counts)
+    assert fit(str(tmp_path / "config.json")).train_mfu > 0 and loaded == [tmp_path]
+
+
 def test_engine_step_prices_the_engines_padding():
     """The replay pads an engine step as engine/runner.py does: keys to the longest row, a wide step's
     queries to the widest row; the linears see only the real tokens."""

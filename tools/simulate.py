@@ -610,7 +610,7 @@ def calibrated(cfg: dict, threads: int, where: str, ranks: int, device: str) -> 
                    platform.processor()) if info.is_file() else platform.processor()
     if device != "cpu":
         machine = torch.cuda.get_device_name(0)
-    key = json.dumps([cfg, threads, ranks, machine, os.cpu_count(), torch.__version__, 16]
+    key = json.dumps([cfg, threads, ranks, machine, os.cpu_count(), torch.__version__, 17]
                      + [device] * (device != "cpu"), sort_keys=True, default=str)
     path = cache_dir() / "profiles" / f"sim_{device}_{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
     if path.is_file():     # said, so a calibration taken on a busy box or another day is not trusted unseen
@@ -627,7 +627,7 @@ def calibrated(cfg: dict, threads: int, where: str, ranks: int, device: str) -> 
     light = params > LIGHT_PARAMS
     fits_per_rank = 1 if light else CALIBRATIONS
     print(f"simulate: calibrating {machine if device != 'cpu' else 'this CPU'} on a random "
-          f"{params / 1e6:.0f}M-parameter model of this shape "
+          f"{params / 1e6:.0f}M-parameter model of this shape (the trainer on the checkpoint's weights if any) "
           f"({ranks} process(es) x {threads} thread(s), {fits_per_rank} fit(s) each; about "
           f"{'2-3 min' if light else '1 min'} on an idle 2-core box; cached in {path})", flush=True)
     ctx = multiprocessing.get_context("spawn")
@@ -692,7 +692,7 @@ def calibrate(cfg: dict, threads: int, where: str, sync=lambda: None, light: boo
     done("draft head forwards timed")
     sync()
     hw = _fit_engine_overheads(llm, hw, m, args.vocab_size, light, prompt_range, done)
-    hw = _fit_trainer(hw, m, args, device, light, prompt_range, sync, wait, done)
+    hw = _fit_trainer(hw, m, args, device, light, prompt_range, sync, wait, done, where)
     if torch.distributed.is_initialized():
         return hw                                            # its all-reduce was timed
     buf = torch.empty(m.params, dtype=torch.float32, device=device)
@@ -817,17 +817,22 @@ def _fit_engine_overheads(llm, hw: Hardware, m: ModelShape, vocab: int, light: b
 
 
 def _fit_trainer(hw: Hardware, m: ModelShape, args, device: str, light: bool, prompt_range: tuple, sync, wait,
-                 done) -> Hardware:
-    """Phase 3: trainer steps on a fresh policy, timed apart: forward + backward -> train_mfu (through
-    the origin: a run's rank_time_prepare is ~0); clip + AdamW -> train_overhead_s beyond AdamW's
-    modelled traffic; the gradient all-reduce over gloo (rl/dist.all_reduce_grads) -> interconnect_bw."""
+                 done, where: str = "") -> Hardware:
+    """Phase 3: trainer steps on the checkpoint's own weights where `where` (its config.json) has them
+    (a random init of the same shape trains measurably slower on CPU: docs/results.md), else on a random
+    init, timed apart: forward + backward -> train_mfu (through the origin: a run's
+    rank_time_prepare is ~0); clip + AdamW -> train_overhead_s beyond AdamW's modelled traffic; the
+    gradient all-reduce over gloo (rl/dist.all_reduce_grads) -> interconnect_bw."""
     import torch
     from nanospec.models.decoder import CausalLM
+    from nanospec.models.loader import load_model
     from nanospec.rl.dist import all_reduce_grads
     from nanospec.rl.grpo import completion_logprobs, make_microbatch, micro_batches
     from nanospec.rl.loss import policy_loss, tis_weights
     from nanospec.rl.rollout import Sample
-    policy = CausalLM(args).to(device).train()
+    ckpt = Path(where).parent if where.endswith("config.json") else None
+    policy = (load_model(ckpt, device=device) if ckpt and (ckpt / "model.safetensors").is_file()
+              else CausalLM(args).to(device)).train()
     params = list(policy.parameters())
     opt = torch.optim.AdamW(params, lr=1e-6)
 
