@@ -670,7 +670,8 @@ def calibrate(cfg: dict, threads: int, where: str, sync=lambda: None, light: boo
     """Fit Hardware to this CPU (fp32, `threads` torch threads) or GPU (engine in bf16 with CUDA graphs,
     trainer in fp32, timings after a synchronize) with nanospec's own code on a random model of this
     shape, in phases: the roofline (`_fit_roofline`, the CPU's repack, a draft head's host time), the
-    engine's host time (`_fit_engine_overheads`), the trainer (`_fit_trainer`); without a process group
+    engine's host time (`_fit_engine_overheads`), the trainer (`_fit_trainer`, on the checkpoint's own
+    weights where `where` has them); without a process group
     the interconnect is a tensor copy (ranks on one host exchange through its memory). light: a smaller
     grid, shorter drains, fewer steps (a real model); log: gets each phase's elapsed time."""
     import numpy as np
