@@ -328,21 +328,16 @@ class Spec:
     head_training: str = "step"
     history: bool = False
 
-    def draft_time(self, hw: Hardware, B: int, C: float, k: float) -> float:
-        """A head's k one-token forwards over B rows at context C, at its own host time per forward."""
-        if self.head is None or k <= 0:
-            return 0.0
-        eager = replace(hw, step_overhead_s=hw.draft_step_overhead_s, seq_overhead_s=0.0, verify_overhead_s=0.0)
-        return k * step_time(eager, self.head, 1, B, B, B * C, B * C)
-
     def drafting_time(self, hw: Hardware, B: int, C: float, q: float, emitted: float) -> float:
-        """One step's drafting: the history drafters' time for the emitted tokens (drafting or not), and
-        the head's forwards: q - 1 when choosing k, else the trace's expectation."""
-        history = self.history_time(hw, emitted)
-        if self.best_k and self.head:
-            return history + self.draft_time(hw, B, C, q - 1)
-        share, k, rows = self.head_use
-        return history + (share * self.draft_time(hw, rows, C, k) if share else 0.0)
+        """One step's drafting: the history drafters' time for the emitted tokens (drafting or not), and a
+        head's one-token forwards at context C at its own host time per forward: q - 1 over the B rows
+        when choosing k, else the trace's expectation (`head_use`)."""
+        share, k, rows = (1.0, q - 1, B) if self.best_k and self.head else self.head_use
+        head = 0.0
+        if self.head is not None and share and k > 0:
+            eager = replace(hw, step_overhead_s=hw.draft_step_overhead_s, seq_overhead_s=0.0, verify_overhead_s=0.0)
+            head = share * (k * step_time(eager, self.head, 1, rows, rows, rows * C, rows * C))
+        return self.history_time(hw, emitted) + head
 
     def history_time(self, hw: Hardware, emitted: float) -> float:
         """The history drafters' host time for `emitted` tokens (prefill's first tokens included)."""
@@ -425,17 +420,15 @@ def drain(hw: Hardware, m: ModelShape, lay: Layout, groups: list, spec: Spec,
             ctx += [p + 1.0 for p, *_ in new]
             rate += [r for *_, r in new]
         else:
-            B = len(rem)
+            B, C = len(rem), sum(ctx) / len(rem)
             if rates:                          # each row at its own measured rate
                 qs, taus, v = [q for _, q in rate], [tau for tau, _ in rate], spec.on
-                draft = spec.drafting_time(hw, B, sum(ctx) / B, 1.0, sum(taus))
-                dt = engine_step(hw, m, tp, qs, ctx, v) + draft
+                draft = spec.drafting_time(hw, B, C, 1.0, sum(taus))
             else:
-                C = sum(ctx) / B
-                forward = lambda q, v: engine_step(hw, m, tp, q, ctx, v)
-                q, tau, v = spec.choose(lambda q, tau, v: forward(q, v) + spec.drafting_time(hw, B, C, q, B * tau))
-                draft = spec.drafting_time(hw, B, C, q, B * tau)
-                dt, taus = forward(q, v) + draft, [tau] * B
+                cost = lambda q, tau, v: engine_step(hw, m, tp, q, ctx, v) + spec.drafting_time(hw, B, C, q, B * tau)
+                qs, tau, v = spec.choose(cost)
+                draft, taus = spec.drafting_time(hw, B, C, qs, B * tau), [tau] * B
+            dt = engine_step(hw, m, tp, qs, ctx, v) + draft
             part, rem, ctx = "decode", [x - u for x, u in zip(rem, taus)], [c + u for c, u in zip(ctx, taus)]
         if not steps:      # the policy moved since the last rollout: a CPU engine repacks its linears
             dt += hw.repack_s_per_param * m.matmul_params      # (engine/cpu_linear.py), in this first step
