@@ -7,19 +7,16 @@ train, an event-driven replay of each rank's drain, and a nanospec run's measure
     python -m tools.simulate --lengths gsm8k --acceptance 0.40 --model qwen3-8b --hardware h100 --dp 8
 
 Nothing here is a speedup: every number comes from the model's shape, the hardware and the trace.
- * Roofline (Williams, Waterman & Patterson, CACM 2009): a step costs max(FLOPs / achievable FLOP/s,
-   bytes / achievable bandwidth) + host overhead (on one CPU core the two add). Decode reads every
-   weight once for all B*Q query tokens: memory-bound at small B*Q, so verifying k drafts costs about
-   one decode step (why speculation pays on a GPU), ~(k+1) once compute-bound.
- * Speculation (Leviathan et al. 2023, eq. 1): k drafts accepted with probability a each emit
-   E = (1 - a^(k+1)) / (1 - a) tokens per verify; a is inverted from the trace's accepted/proposed
-   per drafter and rank, or each row replays its own rate (the long tail is where acceptance is worst).
- * Drain: continuous batching; as responses finish B shrinks (the long tail). Sync data parallel
-   waits for the slowest rank: the others' wait is the bubble.
- * Async, one-step off-policy. Split (NeMo-RL's async GRPO; arXiv:2604.26779 projects 2.5x end-to-end
-   at 235B from speculation + async with its own simulator): a generation group rolls out step t+1
-   while the others train step t and broadcast the weights: max(rollout, train + weight sync), not
-   their sum. Same ranks (grpo.max_staleness: 1): each device time-shares the two: only the bubble goes.
+ * Roofline (Williams, Waterman & Patterson, CACM 2009): a step costs max(FLOPs / FLOP/s, bytes /
+   bandwidth) + host time (on one CPU core the two add). Decode reads every weight once for all B*Q
+   query tokens: while memory-bound, verifying k drafts costs about one decode step (why speculation
+   pays on a GPU); ~(k+1) once compute-bound.
+ * Speculation (Leviathan et al. 2023, eq. 1): E = (1 - a^(k+1)) / (1 - a) tokens per verify of k
+   drafts, a from the trace's accepted/proposed per drafter and rank, or each row replays its own rate.
+ * Drain: continuous batching, B shrinks as responses finish; sync data parallel waits for the slowest
+   rank: the others' wait is the bubble.
+ * Async, one-step off-policy: split ranks (NeMo-RL's async GRPO) cost max(rollout, train + weight
+   sync), not their sum; on the same ranks (grpo.max_staleness: 1) only the bubble goes.
 """
 from __future__ import annotations
 
@@ -61,12 +58,10 @@ class Hardware:
     padded: bool = True               # attention padded to a step's longest row (nanospec's engine); False: varlen
 
 
-# Peaks from NVIDIA's data sheets (H100 SXM5 / H200 SXM: dense BF16 989 TFLOP/s, HBM3 3.35 TB/s /
-# HBM3e 4.8 TB/s, NVLink 4 900 GB/s). Assumed, not data-sheet numbers: 80% of HBM bandwidth in decode,
-# 60% of peak in verify GEMMs, 40% MFU in training, 1 ms host time per engine step (CUDA graphs), 10 us
-# per emitted token for the history drafters (5-16 us on the 2-core box, docs/results.md). Measured: a
-# draft head's eager forward, 1.2 ms at B=1-8 on the H200 at a 0.5B shape (docs/results.md, "The
-# second GPU run").
+# NVIDIA's data sheets (H100 SXM5 / H200 SXM: dense BF16 989 TFLOP/s, HBM3 3.35 / HBM3e 4.8 TB/s, NVLink
+# 900 GB/s). Assumed: 80% of HBM bandwidth, 60% of peak in verify GEMMs, 40% MFU in training, 1 ms host time
+# per step (CUDA graphs), 10 us per emitted token for history drafters (5-16 us on the 2-core box). Measured:
+# a draft head's eager forward, 1.2 ms at B=1-8 on the H200 at 0.5B (docs/results.md, "The second GPU run").
 _GPU = dict(padded=False, step_overhead_s=1e-3, flops_eff=0.6, bw_eff=0.8, train_mfu=0.4, draft_token_s=1e-5,
             draft_step_overhead_s=1.2e-3)
 PRESETS = {"h100": Hardware("h100", 989e12, 3.35e12, 900e9, **_GPU),
@@ -204,8 +199,7 @@ def update_time(hw: Hardware, params: int, ranks: int) -> tuple[float, float]:
 
 
 def train_time(hw: Hardware, m: ModelShape, seqs_per_rank: list[list[tuple[int, int]]], ref_model: bool) -> float:
-    """One optimizer step: the slowest rank's forward + backward over its (prompt, response) lengths,
-    then `update_time` + the step's measured rest (clipping, AdamW's extra passes)."""
+    """One optimizer step: the slowest rank's forward + backward, `update_time`, the measured rest."""
     compute = max(train_compute(hw, m, seqs_per_rank, ref_model))
     allreduce, adamw = update_time(hw, m.params, len(seqs_per_rank))
     return compute + allreduce + adamw + hw.train_overhead_s
@@ -236,11 +230,10 @@ def train_compute(hw: Hardware, m: ModelShape, seqs_per_rank: list[list[tuple[in
 
 
 def head_train_time(hw: Hardware, head: ModelShape, st: dict, mode: str = "step") -> float:
-    """The draft head's online step (rl/grpo.train_head) on the trace's `head/positions` per rank
-    (whole sequences: their prompts ride along): UNROLL forward + backward passes of its fc and layer
-    over every token and of its LM rows over the positions, the teacher's forward over them, then
-    `update_time` over its own weights (the LM rows are the policy's). mode "bubble": the passes ran
-    in idle time, the step pays only the update; "off": a frozen head costs nothing."""
+    """The draft head's online step (rl/grpo.train_head) on the trace's `head/positions` per rank: UNROLL
+    forward + backward passes of its fc and layer over every token (prompts ride along) and of its LM rows
+    over the positions, the teacher's forward over them, then `update_time` over its own weights (the LM
+    rows are the policy's). "bubble": the passes ran in idle time, only the update is paid; "off": frozen, 0."""
     from nanospec.drafters.head import UNROLL
     ranks = max(len(st["measured"].get("rank_busy_time") or [1]), 1)
     body, rows = head.matmul_params - head.vocab * head.hidden, head.vocab * head.hidden
@@ -268,11 +261,10 @@ DEVICE_BYTES = {"h100": 80e9, "h200": 141e9}     # HBM per GPU (data sheets)
 
 
 def memory_rows(m: ModelShape, ranks: int, kv_tokens: int, device_bytes: float) -> list[dict]:
-    """GiB per rank of colocated GRPO, replicated vs FSDP (run.sharding). Training state in fp32 (16 B
-    per parameter), over `ranks` under FSDP, plus two gathered layers (current, prefetched); the engine
-    a whole copy in its dtype and `kv_tokens` of KV. Gradients exist only while training, the KV pool
-    only while rolling out, and at sleep level 2 the engine's weights are freed while training too:
-    peak = max(training, rollout). Activations are left out (they scale with the micro-batch)."""
+    """GiB per rank of colocated GRPO, replicated vs FSDP (run.sharding): fp32 training state (16 B per
+    parameter, over `ranks` under FSDP, plus two gathered layers), the engine's copy in its dtype and
+    `kv_tokens` of KV. Gradients live only in training, the KV pool only in rollout, and sleep level 2
+    frees the engine's weights in training: peak = max(training, rollout); activations (per micro-batch) left out."""
     P, G = m.params, 1024 ** 3
     layer = (m.matmul_params - m.vocab * m.hidden) / m.layers * m.dtype_bytes
     engine, kv = P * m.dtype_bytes, kv_tokens * m.kv_bytes_per_token
@@ -483,9 +475,8 @@ def read_run(path: str, prompt_len: int | None) -> tuple[list[dict], dict]:
         return [(p.name, [check_step(r, str(f), prompt_len, cap) for r in recs])], cfg
     if not p.is_file():
         raise ValueError(f"--run: {path}: neither a run directory nor a bench JSON file")
-    rows = json.loads(p.read_text()).get("rows", [])
     out = []
-    for row in rows:
+    for row in json.loads(p.read_text()).get("rows", []):
         if "steps" not in row:
             raise ValueError(f"{path}: row {row.get('name')!r}: missing key 'steps' (the bench's per-step metrics)")
         out.append((row["name"], [check_step(r, f"{path}: row {row['name']!r}", prompt_len) for r in row["steps"]]))
@@ -590,19 +581,17 @@ LIGHT_PARAMS = 20e6  # above this many parameters the calibration is sized down 
 
 
 def calibrated(cfg: dict, threads: int, where: str, ranks: int, device: str) -> Hardware:
-    """This CPU (device="cuda": its GPU, the engine in bf16 with CUDA graphs) fitted by `calibrate`, as
-    `ranks` processes at once as a run's ranks (they share caches and memory bandwidth); cached like
-    engine/latency.py's profiles (keyed by shape, threads, ranks, machine and torch version).
-    Calibrate on an idle machine: another busy process doubles every time here."""
+    """This CPU (device="cuda": its GPU, the engine in bf16 with CUDA graphs) fitted by `calibrate` in
+    `ranks` processes at once, as a run's ranks share caches and memory bandwidth; cached by shape,
+    threads, ranks, machine and torch version. On a busy machine every time here doubles."""
     import multiprocessing
     import platform
     import torch
     from nanospec.models.hub import cache_dir
     info = Path("/proc/cpuinfo")
-    machine = next((ln.split(":", 1)[1].strip() for ln in info.read_text().splitlines() if ln.startswith("model name")),
-                   platform.processor()) if info.is_file() else platform.processor()
-    if device != "cpu":
-        machine = torch.cuda.get_device_name(0)
+    names = [ln.split(":", 1)[1].strip() for ln in (info.read_text().splitlines() if info.is_file() else [])
+             if ln.startswith("model name")]
+    machine = torch.cuda.get_device_name(0) if device != "cpu" else (names or [platform.processor()])[0]
     key = json.dumps([cfg, threads, ranks, machine, os.cpu_count(), torch.__version__, 17]
                      + [device] * (device != "cpu"), sort_keys=True, default=str)
     path = cache_dir() / "profiles" / f"sim_{device}_{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
@@ -614,8 +603,7 @@ def calibrated(cfg: dict, threads: int, where: str, ranks: int, device: str) -> 
     if os.getloadavg()[0] > 0.5:
         print(f"simulate: the box is busy (1-minute load {os.getloadavg()[0]:.1f}): the calibration will price "
               f"that contention", flush=True)
-    # a real model's forwards, drains and backward cost ~30x the embedded ~4M model's: one fit per rank,
-    # a smaller grid, shorter drains, fewer steps
+    # a real model costs ~30x the embedded ~4M model: one fit per rank, a smaller grid, shorter drains
     params = ModelShape.from_config(cfg, where, "float32").params
     light = params > LIGHT_PARAMS
     fits_per_rank = 1 if light else CALIBRATIONS
@@ -662,9 +650,8 @@ def calibrate(cfg: dict, threads: int, where: str, sync=lambda: None, light: boo
               device: str = "cpu") -> Hardware:
     """Fit Hardware to this CPU (fp32, `threads` torch threads) or GPU (engine in bf16 with CUDA graphs,
     trainer in fp32, timings after a synchronize) with nanospec's own code on a random model of this
-    shape, in phases: the roofline (`_fit_roofline`, the CPU's repack, a draft head's host time), the
-    engine's host time (`_fit_engine_overheads`), the trainer (`_fit_trainer`, on the checkpoint's own
-    weights where `where` has them); without a process group
+    shape, in phases: the roofline (then the CPU's repack, a draft head's host time), the engine's host
+    time, the trainer (on the checkpoint's own weights where `where` has them); without a process group
     the interconnect is a tensor copy (ranks on one host exchange through its memory). light: a smaller
     grid, shorter drains, fewer steps (a real model); log: gets each phase's elapsed time."""
     import numpy as np
@@ -768,9 +755,8 @@ def _fit_engine_overheads(llm, hw: Hardware, m: ModelShape, vocab: int, light: b
     from nanospec.engine.sequence import SamplingParams
 
     def drain_steps(spec: bool, seed: int) -> list:      # [(B, C, Q, seconds)] of decode steps
-        """A GRPO-like drain: 8 prompts x 8 greedy samples of log-uniform 4-128 tokens (light: 2 x 8), so
-        B shrinks and C grows as in a rollout and every step meets a new shape (oneDNN builds kernels
-        per shape: ~1.5 ms a step here, which repeated-shape timings would miss)."""
+        """A GRPO-like drain: 8 prompts x 8 greedy samples of log-uniform 4-128 tokens (light: 2 x 8): B
+        shrinks and C grows as in a rollout, and each step's new shape pays oneDNN's kernel builds."""
         llm.speculate = spec
         g = torch.Generator().manual_seed(seed)
         rnd = lambda lo, hi: int(torch.randint(lo, hi, (1,), generator=g))
@@ -795,7 +781,7 @@ def _fit_engine_overheads(llm, hw: Hardware, m: ModelShape, vocab: int, light: b
     hw = replace(hw, step_overhead_s=hw.step_overhead_s + a, seq_overhead_s=hw.seq_overhead_s + b)
     done(f"{len(ar)} decode steps timed")
     spec_seeds = (3, 4)                            # light too: its short drains verify few steps each
-    gc.collect()     # a full collection due now would land in one propose(): 115 ms, 8x a light drain's time
+    gc.collect()     # a full collection due now would land in one propose() (8x a light drain's time)
     drafting, tokens = llm.seconds["propose"], llm.stats["generated_tokens"]
     for seed in spec_seeds:     # the drafters meet new prompts and responses, as in a rollout: propose() is
         drain_steps(True, seed)  # timed per token they emit (walks, inserts), not fitted; they learn these ...
@@ -812,11 +798,10 @@ def _fit_engine_overheads(llm, hw: Hardware, m: ModelShape, vocab: int, light: b
 
 def _fit_trainer(hw: Hardware, m: ModelShape, args, device: str, light: bool, prompt_range: tuple, sync, wait,
                  done, where: str = "") -> Hardware:
-    """Phase 3: trainer steps on the checkpoint's own weights where `where` (its config.json) has them
-    (a random init of the same shape trains measurably slower on CPU: docs/results.md), else on a random
-    init, timed apart: forward + backward -> train_mfu (through the origin: a run's
-    rank_time_prepare is ~0); clip + AdamW -> train_overhead_s beyond AdamW's modelled traffic; the
-    gradient all-reduce over gloo (rl/dist.all_reduce_grads) -> interconnect_bw."""
+    """Phase 3: trainer steps on the checkpoint's weights where `where` (its config.json) has them (a random
+    init trains measurably slower on CPU: docs/results.md), timed apart: forward + backward -> train_mfu
+    (through the origin: a run's rank_time_prepare is ~0); clip + AdamW -> train_overhead_s beyond AdamW's
+    modelled traffic; the gradient all-reduce over gloo (rl/dist.all_reduce_grads) -> interconnect_bw."""
     import torch
     from nanospec.models.decoder import CausalLM
     from nanospec.models.loader import load_model
@@ -835,8 +820,7 @@ def _fit_trainer(hw: Hardware, m: ModelShape, args, device: str, light: bool, pr
         g = torch.Generator().manual_seed(seed)
         rnd = lambda lo, hi: int(torch.randint(lo, hi, (1,), generator=g))
         plen = [rnd(*prompt_range) for _ in range(n // 8)]
-        lens = [(plen[i // 8], int(2 * 64 ** float(torch.rand(1, generator=g))))
-                for i in range(n)]
+        lens = [(plen[i // 8], int(2 * 64 ** float(torch.rand(1, generator=g)))) for i in range(n)]
         samples = [Sample(None, i, [5] * p, [7] * L, [0.0] * L, [False] * L, "length") for i, (p, L) in enumerate(lens)]
         wait()
         t0 = time.perf_counter()
@@ -874,9 +858,8 @@ def _fit_trainer(hw: Hardware, m: ModelShape, args, device: str, light: bool, pr
 
 def head_overhead(llm, m: ModelShape, hw: Hardware, maxlen: int, med, reps: int) -> float:
     """A fresh draft head's host time per forward beyond its roofline: the median residual of
-    LLM.time_forward at B in {1, 16}, C in {16, maxlen / 2}. Its draft vocabulary is `make head`'s 4,096,
-    so the residual is host time, not a full LM head the roofline prices short (SmolLM2's 49,152 rows
-    at 16 rows: 9-11 ms of residual against 0.7-2 ms)."""
+    LLM.time_forward at B in {1, 16}, C in {16, maxlen / 2}, at `make head`'s draft vocabulary of 4,096
+    (a full LM head would leave a residual the roofline prices short, not host time)."""
     import warnings
     from nanospec.drafters.base import DraftTarget
     from nanospec.drafters.head import head_drafter
@@ -906,18 +889,17 @@ def table(res: dict, modes: tuple, dp: int) -> list[dict]:
     rollout_speedup: rollout throughput per generating rank vs AR in the same mode (async AR and spec
     may split the ranks differently); step_speedup: vs sync AR."""
     rows, base = [], res["ar"]["sync_mean"]["time_step"]
-    kinds = {"sync": ["sync_mean"], "async": ["async", "async_shared"]}
-    for mode in [k for m in modes for k in kinds[m]]:
-        per_rank = lambda r: r["time_rollout"] * r.get("gen_ranks", dp)
+    per_rank = lambda r: r["time_rollout"] * r.get("gen_ranks", dp)
+    names = {"sync": {"sync_mean": "sync"}, "async": {"async": "async", "async_shared": "async, same ranks"}}
+    for key, name in [kv for m in modes for kv in names[m].items()]:
         for kind in ("ar", "spec"):
-            r, ar = res[kind].get(mode), res["ar"].get(mode)
+            r, ar = res[kind].get(key), res["ar"].get(key)
             if r is not None:
-                rows.append(dict(mode={"sync_mean": "sync", "async_shared": "async, same ranks"}.get(mode, mode),
-                                 rollout=kind, time_rollout=r["time_rollout"],
+                split = f"{r['gen_ranks']} gen / {r['train_ranks']} train" if key == "async" else "all ranks"
+                rows.append(dict(mode=name, rollout=kind, time_rollout=r["time_rollout"],
                                  time_train_sync=r["time_train"] + r["time_weight_sync"], time_step=r["time_step"],
                                  rollout_speedup=per_rank(ar) / per_rank(r), step_speedup=base / r["time_step"],
-                                 split=f"{r['gen_ranks']} gen / {r['train_ranks']} train" if mode == "async" else
-                                 "all ranks"))
+                                 split=split))
     return rows
 
 
@@ -991,17 +973,14 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--steps", type=int, default=8, help="--lengths: steps")
     ap.add_argument("--length-scale", type=float, default=1.0, help="--lengths: stretch every response")
     ap.add_argument("--acceptance", type=_acceptance,
-                    help="per-token draft acceptance (0.4), or per draft position (0.8,0.6,0.5: each given the "
-                         "drafts before it were accepted); spec rows then draft the best k")
+                    help="draft acceptance (0.4), or per draft position (0.8,0.6,0.5); spec rows draft the best k")
     ap.add_argument("--draft-len", type=int, default=8, help="largest k with --acceptance")
     ap.add_argument("--drafter", default="history", choices=("history", "head"),
-                    help="--acceptance: history drafters (host time per emitted token) or a draft head (its forwards priced)")
+                    help="--acceptance: history drafters (host time per token) or a draft head (its forwards)")
     ap.add_argument("--draft-vocab", type=int, help="--drafter head: its draft vocabulary (default: the model's)")
-    ap.add_argument("--model", help=f"a preset ({', '.join(MODELS)}), a config.json, or a model as train.py "
-                                    "takes it: an HF directory, a .gguf file or a hub id")
+    ap.add_argument("--model", help=f"a preset ({', '.join(MODELS)}), a config.json, or any model train.py takes")
     ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))
-    ap.add_argument("--hardware", default="cpu",
-                    help=f"cpu or cuda (this machine, calibrated here), {', '.join(PRESETS)}, or a JSON file")
+    ap.add_argument("--hardware", default="cpu", help=f"cpu or cuda (calibrated), {', '.join(PRESETS)} or a JSON file")
     ap.add_argument("--threads", type=int, help="cpu: torch threads per rank (default: the run's run.num_threads)")
     ap.add_argument("--dp", type=int, help="data-parallel ranks (default: the run's)")
     ap.add_argument("--tp", type=int, default=1)
@@ -1089,10 +1068,8 @@ def main(argv: list[str] | None = None) -> int:
         if a.hardware in ("cpu", "cuda"):
             hw = calibrated(mcfg, a.threads or _cfg(cfg, "run", "num_threads", default=1), where,
                             a.dp or ranks, a.hardware)
-        elif a.hardware in PRESETS:
-            hw = PRESETS[a.hardware]
         else:
-            hw = Hardware(**json.loads(Path(a.hardware).read_text()))
+            hw = PRESETS.get(a.hardware) or Hardware(**json.loads(Path(a.hardware).read_text()))
         lay = Layout(a.dp or ranks, a.tp, a.gen_dp,
                      a.max_seqs or _cfg(cfg, "rollout", "max_num_seqs", default=64 if a.run else 256),
                      _cfg(cfg, "rollout", "block_size", default=16))
