@@ -46,10 +46,9 @@ def install(spec: str) -> None:
                     after(*args)
         setattr(owner, name, wrapped)
 
-    def in_step(*args):
-        here.step = args[1]
-    if point == "rollout":
-        wrap(rollout.RolloutWorker, "run", before=in_step, after=lambda *a: setattr(here, "step", None))
+    if point == "rollout":                    # RolloutWorker.run(self, step, ...)
+        wrap(rollout.RolloutWorker, "run", before=lambda worker, at, *a: setattr(here, "step", at),
+             after=lambda *a: setattr(here, "step", None))
         wrap(LLM, "step", after=lambda *a: passed(getattr(here, "step", None)))
     elif point == "optimizer":
         wrap(grpo.Trainer, "_optimizer_step", before=lambda tr: setattr(here, "step", tr.step))

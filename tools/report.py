@@ -2,13 +2,11 @@
 
     python -m tools.report RUN_DIR [RUN_DIR ...] [--compare OTHER_RUN_DIR [OTHER_RUN_DIR ...]]
 
-reads RUN_DIR/metrics.jsonl (one JSON object per GRPO step, times in seconds) and writes
-RUN_DIR/report_*.png and report.md. The timeline shows the bubble (every rank waits for the slowest
-sequence) and how much of it bubble drafting recovered; the quality plot checks that speculation did
-not change learning (exact: AR and speculative curves agree within noise); the speculation plot shows
-why it did or did not pay. Several run dirs on a side are one arm's seeds: mean curves, +-1 std bands
-and a seed table with a Welch t-test (one RL run is one draw: "speculation changes time, never the
-curve" needs the spread). Every metric but `step` is optional: a missing one skips its panel.
+reads RUN_DIR/metrics.jsonl (a JSON object per GRPO step, seconds) and writes RUN_DIR/report_*.png and
+report.md: the timeline shows the bubble (every rank waits for the slowest sequence) and what bubble
+drafting recovered; the quality plot, that speculation did not change learning; the speculation plot, why
+it paid or not. Several run dirs on a side are one arm's seeds: mean curves, +-1 std bands and a Welch
+t-test (one RL run is one draw). Every metric but `step` is optional: a missing one skips its panel.
 matplotlib's object API (Figure + Agg canvas, no pyplot state), imported lazily.
 """
 from __future__ import annotations

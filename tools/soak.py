@@ -4,15 +4,14 @@ data lost, which must be none.
     python -m tools.soak --minutes 20 [--seed 0] [--out runs/soak]
 
 Rounds alternate at random between:
-  kill    a 2-rank torchrun of the embedded default (short SFT, 4 GRPO steps, a checkpoint every 2, every
-          speculation policy on, in the repeatable mode of tests/test_faults.py) SIGKILLed 1-3 times at
-          random points (rollout, optimizer step, checkpoint write; tools/faults.py), relaunched with
-          --resume until it finishes. Lost: a complete checkpoint gone before a newer one exists, or a
+  kill    a 2-rank torchrun of the embedded default (4 GRPO steps, a checkpoint every 2, every policy on,
+          repeatable as in tests/test_faults.py) SIGKILLed 1-3 times at random points (tools/faults.py),
+          resumed until it finishes. Lost: a complete checkpoint gone before a newer one exists, or a
           metric or the final weights differing from an uninterrupted reference run.
-  flood   random requests (greedy and seeded, n up to 4) through an LLM whose KV pool holds about
-          three of the longest sequences (preemption, KV exhaustion), speculation on, random aborts.
-          Lost: a request that neither finished nor was aborted, a leaked KV block, a greedy row
-          differing from the same request on a large pool.
+  flood   random requests (greedy and seeded, n up to 4, random aborts, speculation on) through an LLM
+          whose KV pool holds about three of the longest sequences (preemption, KV exhaustion). Lost: a
+          request neither finished nor aborted, a leaked KV block, a greedy row differing from the same
+          request on a large pool.
 Exits 1 if anything was lost.
 """
 from __future__ import annotations
