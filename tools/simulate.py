@@ -15,8 +15,9 @@ Nothing here is a speedup: every number comes from the model's shape, the hardwa
    drafts, a from the trace's accepted/proposed per drafter and rank, or each row replays its own rate.
  * Drain: continuous batching, B shrinks as responses finish; sync data parallel waits for the slowest
    rank: the others' wait is the bubble.
- * Async, one-step off-policy: split ranks (NeMo-RL's async GRPO) cost max(rollout, train + weight
-   sync), not their sum; on the same ranks (grpo.max_staleness: 1) only the bubble goes.
+ * Async, one-step off-policy: split ranks (NeMo-RL's async GRPO; arXiv:2604.26779 projects 2.5x
+   end-to-end at 235B with its own simulator) cost max(rollout, train + weight sync), not their sum; on
+   the same ranks (grpo.max_staleness: 1) only the bubble goes.
 """
 from __future__ import annotations
 
@@ -973,7 +974,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--steps", type=int, default=8, help="--lengths: steps")
     ap.add_argument("--length-scale", type=float, default=1.0, help="--lengths: stretch every response")
     ap.add_argument("--acceptance", type=_acceptance,
-                    help="draft acceptance (0.4), or per draft position (0.8,0.6,0.5); spec rows draft the best k")
+                    help="draft acceptance (0.4), or per draft position (0.8,0.6,0.5: each given the drafts "
+                         "before it were accepted); spec rows draft the best k")
     ap.add_argument("--draft-len", type=int, default=8, help="largest k with --acceptance")
     ap.add_argument("--drafter", default="history", choices=("history", "head"),
                     help="--acceptance: history drafters (host time per token) or a draft head (its forwards)")
