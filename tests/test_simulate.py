@@ -98,6 +98,19 @@ def test_a_cpu_engine_repacks_its_linears_once_a_rollout():
     assert steps[0][1] == pytest.approx(1.0 + 1e-9 * m.matmul_params) and steps[1][1] == pytest.approx(1.0)
 
 
+def test_an_engine_with_drafters_pays_the_rules_bookkeeping_on_every_step():
+    # engine/llm.py asks the rule for budgets on every step once a drafter is configured, drafting or not;
+    # AR (Spec()) never does
+    m, groups = shape(), [(16, [3, 5]), (8, [4])]
+    hw = sim.replace(clock(1.0), spec_step_overhead_s=0.25, spec_seq_overhead_s=0.5)
+    plain, ar = sim.drain(hw, m, sim.Layout(), groups, sim.Spec())
+    t, steps = sim.drain(hw, m, sim.Layout(), groups, sim.Spec(history=True))
+    assert [s[3] for s in steps] == ["prefill"] + ["decode"] * 4 == [s[3] for s in ar]
+    extra = [b - a for (_, b, *_), (_, a, *_) in zip(steps, ar)]
+    assert extra == pytest.approx([0.25 + 0.5 * B for B in (3, 3, 3, 2, 1)])   # rows: 3 prefilled, then 3, 3, 2, 1
+    assert t == pytest.approx(plain + sum(extra))
+
+
 def test_history_drafters_are_priced_per_emitted_token():
     # their propose() walks and inserts every token its rows emit, drafting or not, prefill included
     m, groups = sim.ModelShape.from_config(TINY, "tiny"), [(4, [1, 3, 5])]
@@ -267,6 +280,7 @@ def test_light_calibration_times_each_part_on_a_tiny_model():
     assert hw.overlap is False and hw.flops > 0 and hw.mem_bw > 0 and hw.interconnect_bw > 0
     assert hw.train_mfu > 0 and hw.train_overhead_s >= 0 and hw.draft_token_s > 0
     assert min(hw.step_overhead_s, hw.seq_overhead_s, hw.verify_overhead_s) >= 0
+    assert min(hw.spec_step_overhead_s, hw.spec_seq_overhead_s) >= 0
     lens = [(40, 100)] * 8
     assert sim.train_compute(hw, sim.ModelShape.from_config(TINY, "tiny"), [lens, []], False)[1] == 0.0
 

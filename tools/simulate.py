@@ -48,6 +48,8 @@ class Hardware:
     step_overhead_s: float = 0.0      # per engine step: scheduling, sampling, launches, host sync
     seq_overhead_s: float = 0.0       # per sequence per engine step (host work per row)
     verify_overhead_s: float = 0.0    # once per step that verifies any draft (ragged packing, rejection sampler)
+    spec_step_overhead_s: float = 0.0  # per step of an engine with drafters, drafting or not: the rule's budgets
+    spec_seq_overhead_s: float = 0.0   # ... and per row of that step (engine/llm.py _propose, controller.py)
     flops_eff: float = 1.0            # achievable fraction of peak FLOP/s in decode / verify GEMMs
     bw_eff: float = 1.0               # achievable fraction of peak bandwidth
     train_mfu: float = 1.0            # achievable fraction of peak FLOP/s in the trainer's forward + backward
@@ -321,6 +323,11 @@ class Spec:
     head_training: str = "step"
     history: bool = False
 
+    @property
+    def configured(self) -> bool:
+        """A drafter is configured: the engine asks the rule for budgets on every step, drafting or not."""
+        return bool(self.drafters) or self.history or self.head is not None
+
     def drafting_time(self, hw: Hardware, B: int, C: float, q: float, emitted: float) -> float:
         """One step's drafting: the history drafters' time for the emitted tokens (drafting or not), and a
         head's one-token forwards at context C at its own host time per forward: q - 1 over the B rows
@@ -425,6 +432,8 @@ def drain(hw: Hardware, m: ModelShape, lay: Layout, groups: list, spec: Spec,
             part, rem, ctx = "decode", [x - u for x, u in zip(rem, taus)], [c + u for c, u in zip(ctx, taus)]
         if not steps:      # the policy moved since the last rollout: a CPU engine repacks its linears
             dt += hw.repack_s_per_param * m.matmul_params      # (engine/cpu_linear.py), in this first step
+        if spec.configured:
+            dt += hw.spec_step_overhead_s + hw.spec_seq_overhead_s * (len(new) if part == "prefill" else B)
         steps.append((t, dt, len(rem), part, draft))
         t += dt
         keep = [i for i, x in enumerate(rem) if x > 1e-9]
@@ -593,7 +602,7 @@ def calibrated(cfg: dict, threads: int, where: str, ranks: int, device: str) -> 
     names = [ln.split(":", 1)[1].strip() for ln in (info.read_text().splitlines() if info.is_file() else [])
              if ln.startswith("model name")]
     machine = torch.cuda.get_device_name(0) if device != "cpu" else (names or [platform.processor()])[0]
-    key = json.dumps([cfg, threads, ranks, machine, os.cpu_count(), torch.__version__, 17]
+    key = json.dumps([cfg, threads, ranks, machine, os.cpu_count(), torch.__version__, 18]
                      + [device] * (device != "cpu"), sort_keys=True, default=str)
     path = cache_dir() / "profiles" / f"sim_{device}_{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
     if path.is_file():     # said, so a calibration taken on a busy box or another day is not trusted unseen
@@ -755,9 +764,10 @@ def _fit_engine_overheads(llm, hw: Hardware, m: ModelShape, vocab: int, light: b
     import torch
     from nanospec.engine.sequence import SamplingParams
 
-    def drain_steps(spec: bool, seed: int) -> list:      # [(B, C, Q, seconds)] of decode steps
+    def drain_steps(spec: bool, seed: int) -> list:
         """A GRPO-like drain: 8 prompts x 8 greedy samples of log-uniform 4-128 tokens (light: 2 x 8): B
-        shrinks and C grows as in a rollout, and each step's new shape pays oneDNN's kernel builds."""
+        shrinks and C grows as in a rollout, and each step's new shape pays oneDNN's kernel builds.
+        -> its decode steps [(B, C, Q, seconds, propose() seconds, verified any draft)]."""
         llm.speculate = spec
         g = torch.Generator().manual_seed(seed)
         rnd = lambda lo, hi: int(torch.randint(lo, hi, (1,), generator=g))
@@ -769,31 +779,48 @@ def _fit_engine_overheads(llm, hw: Hardware, m: ModelShape, vocab: int, light: b
         out = []
         while llm.scheduler.has_work():
             rows, prefill = list(llm.scheduler.running), bool(llm.scheduler.waiting)
-            before, drafting, t0 = llm.stats["generated_tokens"], llm.seconds["propose"], time.perf_counter()
+            before, verified = llm.stats["generated_tokens"], llm.stats["verify_steps"]
+            drafting, t0 = llm.seconds["propose"], time.perf_counter()
             llm.step()
             if not prefill and rows:
                 C = max(len(s) - 1 for s in rows)        # every row gathers the longest one's keys
                 Q = (llm.stats["generated_tokens"] - before) / len(rows)   # all drafts accepted: Q = emitted
-                out.append((len(rows), C, Q, time.perf_counter() - t0, llm.seconds["propose"] - drafting))
+                out.append((len(rows), C, Q, time.perf_counter() - t0, llm.seconds["propose"] - drafting,
+                            llm.stats["verify_steps"] > verified))
         return out
     ar = [s for seed in ((1, 2) if light else (1, 2, 5, 6)) for s in drain_steps(False, seed)]
-    a, b = _fit_relative([[1.0, B] for B, *_ in ar], [t - _forward_time(hw, m, B, C, 1) for B, C, _, t, _ in ar],
+    a, b = _fit_relative([[1.0, B] for B, *_ in ar], [t - _forward_time(hw, m, B, C, 1) for B, C, _, t, *_ in ar],
                          [s[3] for s in ar])
     hw = replace(hw, step_overhead_s=hw.step_overhead_s + a, seq_overhead_s=hw.seq_overhead_s + b)
     done(f"{len(ar)} decode steps timed")
     spec_seeds = (3, 4)                            # light too: its short drains verify few steps each
     gc.collect()     # a full collection due now would land in one propose() (8x a light drain's time)
     drafting, tokens = llm.seconds["propose"], llm.stats["generated_tokens"]
-    for seed in spec_seeds:     # the drafters meet new prompts and responses, as in a rollout: propose() is
-        drain_steps(True, seed)  # timed per token they emit (walks, inserts), not fitted; they learn these ...
+    # the drafters meet new prompts and responses, as in a rollout: propose() is timed per token they emit
+    # (walks, inserts), not fitted; the verify drains below replay these responses
+    for seed in spec_seeds:
+        drain_steps(True, seed)
     hw = replace(hw, draft_token_s=(llm.seconds["propose"] - drafting) / (llm.stats["generated_tokens"] - tokens))
-    ver = [s for seed in spec_seeds for s in drain_steps(True, seed) if s[2] > 1]   # ... and draft them, all accepted
+    # a step the rule declines costs an AR step plus its budgets and the engine's bookkeeping, per step and
+    # per row: timed on drains where the rule's threshold is out of reach (it declines all but its probes)
+    threshold, llm.controller.min_speedup = llm.controller.min_speedup, 1e9
+    declined = [s for seed in (7, 8) for s in drain_steps(True, seed) if not s[5]]
+    llm.controller.min_speedup = threshold
+    if len(declined) >= 2:
+        d, e = _fit_relative([[1.0, B] for B, *_ in declined],
+                             [t - p - _forward_time(hw, m, B, C, 1) for B, C, _, t, p, _ in declined],
+                             [s[3] for s in declined])
+        hw = replace(hw, spec_step_overhead_s=d, spec_seq_overhead_s=e)
+    ver = [s for seed in spec_seeds for s in drain_steps(True, seed) if s[2] > 1]   # every draft accepted
     if len(ver) >= 2:       # the controller may draft on too few steps to fit (and nnls aborts on none)
-        # the rest of a verify step beyond its forward and propose() is the verify overhead
-        c, = _fit_relative([[1.0] for _ in ver], [t - p - _forward_time(hw, m, B, C, Q) for B, C, Q, t, p in ver],
+        # the rest of a verify step beyond its forward, propose() and the rule's bookkeeping
+        spec = lambda B: hw.spec_step_overhead_s + hw.spec_seq_overhead_s * B
+        c, = _fit_relative([[1.0] for _ in ver],
+                           [t - p - spec(B) - _forward_time(hw, m, B, C, Q) for B, C, Q, t, p, _ in ver],
                            [s[3] for s in ver])
         hw = replace(hw, verify_overhead_s=hw.verify_overhead_s + c)
-    done(f"{len(ver)} verify steps timed" + ("" if len(ver) >= 2 else ": too few, the forward grid's verify cost stands"))
+    done(f"{len(declined)} declined and {len(ver)} verify steps timed"
+         + ("" if len(ver) >= 2 else ": too few verify steps, the forward grid's verify cost stands"))
     return hw
 
 
