@@ -756,38 +756,41 @@ def repack_time(llm, med) -> float:
     return max(med(after_update) - med(step), 0.0)
 
 
-def _fit_engine_overheads(llm, hw: Hardware, m: ModelShape, vocab: int, light: bool, prompt_range: tuple,
-                          done) -> Hardware:
-    """Phase 2: host time per step and per row beyond the forward (AR drains), then a verify step's extra
-    and drafting per row (drains whose drafts are all accepted)."""
-    import gc
+def _drain_steps(llm, spec: bool, seed: int, vocab: int, light: bool, prompt_range: tuple) -> list:
+    """A GRPO-like drain: 8 prompts x 8 greedy samples of log-uniform 4-128 tokens (light: 2 x 8): B shrinks
+    and C grows as in a rollout, and each step's new shape pays oneDNN's kernel builds.
+    -> its decode steps [(B, C, Q, seconds, propose() seconds, verified any draft)]."""
     import torch
     from nanospec.engine.sequence import SamplingParams
+    llm.speculate = spec
+    g = torch.Generator().manual_seed(seed)
+    rnd = lambda lo, hi: int(torch.randint(lo, hi, (1,), generator=g))
+    for i in range(2 if light else 8):
+        ids = torch.randint(3, vocab, (rnd(*prompt_range),), generator=g).tolist()
+        for j in range(8):
+            T = int(4 * 32 ** float(torch.rand(1, generator=g)))
+            llm.add_request(ids, SamplingParams(temperature=0.0, max_tokens=T), 8 * i + j, ("cal", seed, i, j))
+    out = []
+    while llm.scheduler.has_work():
+        rows, prefill = list(llm.scheduler.running), bool(llm.scheduler.waiting)
+        before, verified = llm.stats["generated_tokens"], llm.stats["verify_steps"]
+        drafting, t0 = llm.seconds["propose"], time.perf_counter()
+        llm.step()
+        if not prefill and rows:
+            C = max(len(s) - 1 for s in rows)        # every row gathers the longest one's keys
+            Q = (llm.stats["generated_tokens"] - before) / len(rows)   # all drafts accepted: Q = emitted
+            out.append((len(rows), C, Q, time.perf_counter() - t0, llm.seconds["propose"] - drafting,
+                        llm.stats["verify_steps"] > verified))
+    return out
 
-    def drain_steps(spec: bool, seed: int) -> list:
-        """A GRPO-like drain: 8 prompts x 8 greedy samples of log-uniform 4-128 tokens (light: 2 x 8): B
-        shrinks and C grows as in a rollout, and each step's new shape pays oneDNN's kernel builds.
-        -> its decode steps [(B, C, Q, seconds, propose() seconds, verified any draft)]."""
-        llm.speculate = spec
-        g = torch.Generator().manual_seed(seed)
-        rnd = lambda lo, hi: int(torch.randint(lo, hi, (1,), generator=g))
-        for i in range(2 if light else 8):
-            ids = torch.randint(3, vocab, (rnd(*prompt_range),), generator=g).tolist()
-            for j in range(8):
-                T = int(4 * 32 ** float(torch.rand(1, generator=g)))
-                llm.add_request(ids, SamplingParams(temperature=0.0, max_tokens=T), 8 * i + j, ("cal", seed, i, j))
-        out = []
-        while llm.scheduler.has_work():
-            rows, prefill = list(llm.scheduler.running), bool(llm.scheduler.waiting)
-            before, verified = llm.stats["generated_tokens"], llm.stats["verify_steps"]
-            drafting, t0 = llm.seconds["propose"], time.perf_counter()
-            llm.step()
-            if not prefill and rows:
-                C = max(len(s) - 1 for s in rows)        # every row gathers the longest one's keys
-                Q = (llm.stats["generated_tokens"] - before) / len(rows)   # all drafts accepted: Q = emitted
-                out.append((len(rows), C, Q, time.perf_counter() - t0, llm.seconds["propose"] - drafting,
-                            llm.stats["verify_steps"] > verified))
-        return out
+
+def _fit_engine_overheads(llm, hw: Hardware, m: ModelShape, vocab: int, light: bool, prompt_range: tuple,
+                          done) -> Hardware:
+    """Phase 2: host time per step and per row beyond the forward (AR drains), drafting per emitted token,
+    a declined step's extra (the rule's bookkeeping), then a verify step's (drains whose drafts are all
+    accepted)."""
+    import gc
+    drain_steps = lambda spec, seed: _drain_steps(llm, spec, seed, vocab, light, prompt_range)
     ar = [s for seed in ((1, 2) if light else (1, 2, 5, 6)) for s in drain_steps(False, seed)]
     a, b = _fit_relative([[1.0, B] for B, *_ in ar], [t - _forward_time(hw, m, B, C, 1) for B, C, _, t, *_ in ar],
                          [s[3] for s in ar])
