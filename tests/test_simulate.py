@@ -103,12 +103,12 @@ def test_an_engine_with_drafters_pays_the_rules_bookkeeping_on_every_step():
     # engine/llm.py asks the rule for budgets on every step once a drafter is configured, drafting or not;
     # AR (Spec()) never does
     m, groups = shape(), [(16, [3, 5]), (8, [4])]
-    hw = sim.replace(clock(1.0), spec_step_overhead_s=0.25, spec_seq_overhead_s=0.5)
+    hw = sim.replace(clock(1.0), spec_step_overhead_s=0.25)
     plain, ar = sim.drain(hw, m, sim.Layout(), groups, sim.Spec())
     t, steps = sim.drain(hw, m, sim.Layout(), groups, sim.Spec(history=True))
     assert [s[3] for s in steps] == ["prefill"] + ["decode"] * 4 == [s[3] for s in ar]
     extra = [b - a for (_, b, *_), (_, a, *_) in zip(steps, ar)]
-    assert extra == pytest.approx([0.25 + 0.5 * B for B in (3, 3, 3, 2, 1)])   # rows: 3 prefilled, then 3, 3, 2, 1
+    assert extra == pytest.approx([0.25] * 5)                  # the prefill step and each decode step
     assert t == pytest.approx(plain + sum(extra))
 
 

@@ -49,7 +49,6 @@ class Hardware:
     seq_overhead_s: float = 0.0       # per sequence per engine step (host work per row)
     verify_overhead_s: float = 0.0    # once per step that verifies any draft (ragged packing, rejection sampler)
     spec_step_overhead_s: float = 0.0  # per step of an engine with drafters, drafting or not: the rule's budgets
-    spec_seq_overhead_s: float = 0.0   # ... and per row of that step (engine/llm.py _propose, controller.py)
     flops_eff: float = 1.0            # achievable fraction of peak FLOP/s in decode / verify GEMMs
     bw_eff: float = 1.0               # achievable fraction of peak bandwidth
     train_mfu: float = 1.0            # achievable fraction of peak FLOP/s in the trainer's forward + backward
@@ -433,7 +432,7 @@ def drain(hw: Hardware, m: ModelShape, lay: Layout, groups: list, spec: Spec,
         if not steps:      # the policy moved since the last rollout: a CPU engine repacks its linears
             dt += hw.repack_s_per_param * m.matmul_params      # (engine/cpu_linear.py), in this first step
         if spec.configured:
-            dt += hw.spec_step_overhead_s + hw.spec_seq_overhead_s * (len(new) if part == "prefill" else B)
+            dt += hw.spec_step_overhead_s
         steps.append((t, dt, len(rem), part, draft))
         t += dt
         keep = [i for i, x in enumerate(rem) if x > 1e-9]
@@ -602,7 +601,7 @@ def calibrated(cfg: dict, threads: int, where: str, ranks: int, device: str) -> 
     names = [ln.split(":", 1)[1].strip() for ln in (info.read_text().splitlines() if info.is_file() else [])
              if ln.startswith("model name")]
     machine = torch.cuda.get_device_name(0) if device != "cpu" else (names or [platform.processor()])[0]
-    key = json.dumps([cfg, threads, ranks, machine, os.cpu_count(), torch.__version__, 18]
+    key = json.dumps([cfg, threads, ranks, machine, os.cpu_count(), torch.__version__, 19]
                      + [device] * (device != "cpu"), sort_keys=True, default=str)
     path = cache_dir() / "profiles" / f"sim_{device}_{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
     if path.is_file():     # said, so a calibration taken on a busy box or another day is not trusted unseen
@@ -804,23 +803,22 @@ def _fit_engine_overheads(llm, hw: Hardware, m: ModelShape, vocab: int, light: b
     for seed in spec_seeds:
         drain_steps(True, seed)
     hw = replace(hw, draft_token_s=(llm.seconds["propose"] - drafting) / (llm.stats["generated_tokens"] - tokens))
-    # a step the rule declines costs an AR step plus its budgets and the engine's bookkeeping, per step and
-    # per row: timed on drains where the rule's threshold is out of reach (it declines all but its probes)
+    # a step the rule declines costs an AR step plus its budgets and the engine's bookkeeping, per step (the
+    # rule decides such a step from the rows' largest and summed worth, not row by row: controller.py),
+    # timed on drains where its threshold is out of reach (it declines all but its probes)
     threshold, llm.controller.min_speedup = llm.controller.min_speedup, 1e9
     declined = [s for seed in (7, 8) for s in drain_steps(True, seed) if not s[5]]
     llm.controller.min_speedup = threshold
     if len(declined) >= 2:
-        d, e = _fit_relative([[1.0, B] for B, *_ in declined],
-                             [t - p - _forward_time(hw, m, B, C, 1) for B, C, _, t, p, _ in declined],
-                             [s[3] for s in declined])
-        hw = replace(hw, spec_step_overhead_s=d, spec_seq_overhead_s=e)
+        d, = _fit_relative([[1.0] for _ in declined],
+                           [t - p - _forward_time(hw, m, B, C, 1) for B, C, _, t, p, _ in declined],
+                           [s[3] for s in declined])
+        hw = replace(hw, spec_step_overhead_s=d)
     ver = [s for seed in spec_seeds for s in drain_steps(True, seed) if s[2] > 1]   # every draft accepted
     if len(ver) >= 2:       # the controller may draft on too few steps to fit (and nnls aborts on none)
         # the rest of a verify step beyond its forward, propose() and the rule's bookkeeping
-        spec = lambda B: hw.spec_step_overhead_s + hw.spec_seq_overhead_s * B
-        c, = _fit_relative([[1.0] for _ in ver],
-                           [t - p - spec(B) - _forward_time(hw, m, B, C, Q) for B, C, Q, t, p, _ in ver],
-                           [s[3] for s in ver])
+        rest = [t - p - hw.spec_step_overhead_s - _forward_time(hw, m, B, C, Q) for B, C, Q, t, p, _ in ver]
+        c, = _fit_relative([[1.0] for _ in ver], rest, [s[3] for s in ver])
         hw = replace(hw, verify_overhead_s=hw.verify_overhead_s + c)
     done(f"{len(declined)} declined and {len(ver)} verify steps timed"
          + ("" if len(ver) >= 2 else ": too few verify steps, the forward grid's verify cost stands"))
