@@ -169,6 +169,18 @@ def test_head_loss_masks_and_unrolls(model):
     assert head_loss(head, hidden, ids, mask, unroll=2)[0].item() != pytest.approx(loss.item())
 
 
+def test_head_training_leaves_the_policys_gradients_alone(model):
+    """The head reads the target's embedding and LM head, which the trainer's engine may share with the
+    policy: its backward fills the head's gradients only, none the size of the vocabulary."""
+    head = DraftHead(model)
+    ids = torch.randint(0, 64, (2, 12))
+    with torch.no_grad():
+        hidden = model(ids)
+    head_loss(head, hidden, ids, completion_mask([4, 6], [12, 9], 12))[0].backward()
+    assert all(p.grad is not None for p in head.parameters())
+    assert [n for n, p in model.named_parameters() if p.grad is not None] == []
+
+
 # ---- bad input: one line naming the field ------------------------------------------------------------
 def test_bad_heads_are_refused_with_one_line(model, tmp_path):
     other_dir, _ = make_hf_model(tmp_path / "wide", "llama", vocab_size=64, hidden_size=96, seed=3)

@@ -64,13 +64,14 @@ class DraftHead(CausalLM):
 
     def embed(self, ids, features=None):
         """z = fc([h ; emb(x)]); features None (profiling the head's cost) stands for zeros."""
-        e = self.target.model.embed_tokens(ids).to(self.fc.weight.dtype)                 # [N, D]
+        with torch.no_grad():   # the target's embedding is the policy's: no gradient (the trainer may share it)
+            e = self.target.model.embed_tokens(ids).to(self.fc.weight.dtype)             # [N, D]
         h = torch.zeros_like(e) if features is None else features.to(e.dtype)
         return self.fc(torch.cat([h, e], -1))
 
     def draft_weight(self) -> torch.Tensor:
         """The target LM head's rows of the draft vocabulary [Vd, D], gathered once per weight version."""
-        w = self.target.lm_head.weight
+        w = self.target.lm_head.weight.detach()     # the policy's: the head's loss never moves it
         if self.vocab is None:
             return w
         key = (w.data_ptr(), w._version if not w.is_inference() else 0)
@@ -153,12 +154,13 @@ def head_loss(head: DraftHead, hidden: torch.Tensor, ids: torch.Tensor, mask: to
     sel = mask.bool().to(hidden.device)     # the LM head runs on the counted positions only (the rest: context)
     with torch.no_grad():
         teacher = head.draft_logits(h_next[sel]).log_softmax(-1)                # [n, Vd]  log p
+        p = teacher.exp()
     total, unroll = 0.0, unroll or UNROLL
     features = h_in
     for _ in range(unroll):
         g = head(ids[:, 1:], features=features.reshape(-1, features.shape[-1]))   # [B, L-1, D]
         logq = head.draft_logits(g[sel]).log_softmax(-1)                          # [n, Vd]
-        kl = (teacher.exp() * (teacher - logq)).sum(-1)                           # [n]
+        kl = (p * (teacher - logq)).sum(-1)                                       # [n]
         reg = F.smooth_l1_loss(g[sel], h_next[sel], reduction="none").mean(-1)
         total = total + (kl + REG_WEIGHT * reg).sum()
         features = torch.cat([h_in[:, :1], g[:, :-1]], 1)     # the next pass reads its own g_{i-1} for h_i
