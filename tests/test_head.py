@@ -287,15 +287,23 @@ def _bubble_rank(rank, tmp, cfg):
 
 
 def test_the_head_learns_from_at_most_head_positions_per_step():
-    """speculation.head_positions caps the head's online cost: whole sequences, drawn by (seed, step, rank)."""
+    """speculation.head_positions caps the head's online cost: whole sequences, drawn by (seed, step, rank),
+    up to the cap and never past it."""
     from types import SimpleNamespace
     from nanospec.config import config_from_dict
     from nanospec.rl.grpo import Trainer
     cfg = config_from_dict({"speculation": {"head_positions": 200}})
     me = SimpleNamespace(cfg=cfg, step=3, rank=1)
-    batches = [(torch.zeros(16, 40, dtype=torch.long), torch.zeros(16, 40, 8), torch.ones(16, 39)) for _ in range(4)]
+    # 4 micro-batches of 16 rows (row id in every position), 39 positions each: 2,496 positions
+    batches = [(torch.arange(16 * b, 16 * b + 16)[:, None].expand(16, 40), torch.zeros(16, 40, 8), torch.ones(16, 39))
+               for b in range(4)]
     kept = Trainer._head_sample(me, batches)
     n = sum(int(m.sum()) for _, _, m in kept)
-    assert 0 < n <= 2 * 200 and all(len(i) == len(h) == len(m) for i, h, m in kept)   # ~200 of 2496, by draw
-    assert [len(i) for i, _, _ in kept] == [len(i) for i, _, _ in Trainer._head_sample(me, batches)]
-    assert Trainer._head_sample(SimpleNamespace(cfg=config_from_dict({}), step=3, rank=1), batches[:1]) == batches[:1]
+    assert n == 195 and all(len(i) == len(h) == len(m) for i, h, m in kept)      # 5 whole rows: a 6th passes 200
+    chosen = [int(i[r, 0]) for i, _, _ in kept for r in range(len(i))]
+    assert len(set(chosen)) == 5 and all(bool((i == i[:, :1]).all()) for i, _, _ in kept)
+    assert chosen == [int(i[r, 0]) for i, _, _ in Trainer._head_sample(me, batches) for r in range(len(i))]
+    other = Trainer._head_sample(SimpleNamespace(cfg=cfg, step=3, rank=0), batches)
+    assert chosen != [int(i[r, 0]) for i, _, _ in other for r in range(len(i))]     # each rank its own draw
+    under = config_from_dict({"speculation": {"head_positions": 624}})     # one batch's 16 x 39: all kept
+    assert Trainer._head_sample(SimpleNamespace(cfg=under, step=3, rank=1), batches[:1]) == batches[:1]

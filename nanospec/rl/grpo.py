@@ -506,18 +506,25 @@ class Trainer:
             self._head_sums[1] += float(loss.detach())
 
     def _head_sample(self, batches):
-        """At most `speculation.head_positions` of this rank's positions, as whole sequences drawn with a
-        generator of (seed, step, rank): the head's cost stays a small share of the step."""
-        total = sum(float(m.sum()) for _, _, m in batches)
-        keep = min(1.0, self.cfg.speculation.head_positions / max(total, 1.0))
-        if keep == 1.0:
+        """At most `speculation.head_positions` of this rank's positions: whole sequences in an order drawn
+        with a generator of (seed, step, rank), up to the first that would pass the cap. The head's cost
+        stays a small share of the step, and alike on every rank (its step ends in a collective)."""
+        counts = [(b, r, float(n)) for b, (_, _, m) in enumerate(batches) for r, n in enumerate(m.sum(1))]
+        if sum(n for _, _, n in counts) <= self.cfg.speculation.head_positions:
             return batches
         g = torch.Generator().manual_seed(hash_seed(self.cfg.run.seed, "head", self.step, self.rank))
+        rows, used = [[] for _ in batches], 0.0
+        for i in torch.randperm(len(counts), generator=g).tolist():
+            b, r, n = counts[i]
+            if used + n > self.cfg.speculation.head_positions:
+                break
+            rows[b].append(r)
+            used += n
         out = []
-        for ids, hidden, mask in batches:
-            rows = torch.nonzero(torch.rand(len(ids), generator=g) < keep).flatten().to(ids.device)
-            if len(rows):
-                out.append((ids[rows], hidden[rows], mask[rows.cpu()]))
+        for (ids, hidden, mask), keep in zip(batches, rows):
+            if keep:
+                keep = torch.tensor(sorted(keep))
+                out.append((ids[keep.to(ids.device)], hidden[keep.to(hidden.device)], mask[keep]))
         return out
 
     def head_bubble(self, done, rows: int = 8) -> None:
