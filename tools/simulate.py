@@ -623,6 +623,7 @@ def calibrated(cfg: dict, threads: int, where: str, ranks: int, device: str) -> 
     ctx = multiprocessing.get_context("spawn")
     queue, barrier = ctx.Queue(), ctx.Barrier(ranks)
     store = path.with_suffix(f".store{os.getpid()}")       # the ranks' gloo group (CPU): their all-reduce is timed
+    path.parent.mkdir(parents=True, exist_ok=True)         # (gloo waits forever for a store it cannot create)
     store.unlink(missing_ok=True)
     procs = [ctx.Process(target=_calibrate_rank,
                          args=(cfg, threads, where, barrier, queue, fits_per_rank, light, r, device, (store, ranks)))
