@@ -509,21 +509,22 @@ class Trainer:
         """At most `speculation.head_positions` of this rank's positions: whole sequences in an order drawn
         with a generator of (seed, step, rank), up to the first that would pass the cap. The head's cost
         stays a small share of the step, and alike on every rank (its step ends in a collective)."""
+        cap = self.cfg.speculation.head_positions
         counts = [(b, r, float(n)) for b, (_, _, m) in enumerate(batches) for r, n in enumerate(m.sum(1))]
-        if sum(n for _, _, n in counts) <= self.cfg.speculation.head_positions:
+        if sum(n for _, _, n in counts) <= cap:
             return batches
         g = torch.Generator().manual_seed(hash_seed(self.cfg.run.seed, "head", self.step, self.rank))
         rows, used = [[] for _ in batches], 0.0
         for i in torch.randperm(len(counts), generator=g).tolist():
             b, r, n = counts[i]
-            if used + n > self.cfg.speculation.head_positions:
+            if used + n > cap:
                 break
             rows[b].append(r)
             used += n
         out = []
-        for (ids, hidden, mask), keep in zip(batches, rows):
-            if keep:
-                keep = torch.tensor(sorted(keep))
+        for (ids, hidden, mask), picked in zip(batches, rows):
+            if picked:
+                keep = torch.tensor(sorted(picked))
                 out.append((ids[keep.to(ids.device)], hidden[keep.to(hidden.device)], mask[keep]))
         return out
 
@@ -547,8 +548,7 @@ class Trainer:
         """One AdamW step of the draft head on the gradients accumulated this step (collective): the
         trainer's hidden states (`step`), or what the ranks computed in their bubbles (`bubble`); then
         into the engine's head. Its teacher reads the engine's LM head, synced just before."""
-        if self.world > 1:      # the ranks' engine wake-ups differ by seconds: a wait that is not the head's
-            torch.distributed.barrier()
+        dist.barrier()      # the ranks' engine wake-ups differ by seconds: a wait that is not the head's
         t0, batches, self._head_batches = time.perf_counter(), self._head_batches, []
         self.head_backward(self._head_sample(batches))
         n, loss = (float(x) for x in self._all_reduce(torch.tensor(self._head_sums, dtype=torch.float64)))
