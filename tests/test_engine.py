@@ -111,6 +111,9 @@ def test_paged_attention_equals_dense(models, arch):
     # chunks: prefill [0, a), a second prefill chunk [a, c), then a verify window [c, c+k+1)
     cuts = [(3, 5, 3), (8, 12, 4), (1, 2, 1), (13, 20, 5), (4, 12, 0)]
     runner = Runner(model, num_blocks=48, block_size=4)
+    # the pool is uninitialised: poison it, so that a block read before it is zeroed or written shows
+    # (a masked key still enters attention's sum with weight 0, and 0 x NaN = NaN)
+    runner.cache[:, :, :48 * 4] = float("nan")
     seqs = _seqs_with_tables([len(t) for t in full], runner, seed=0)
     dense = [dense_logits(model, t) for t in full]
 
@@ -129,10 +132,13 @@ def test_paged_attention_equals_dense(models, arch):
     runner.forward(seqs, garbage, [c for _, c, _ in cuts])
     check([(c, c + 1) for _, c, _ in cuts], "decode over stale draft K/V")
     check([(c, c + k + 1) for _, c, k in cuts], "verify window at an offset")
-    # and the null block absorbed the padding rows: the pool's real blocks outside the tables are zero
+    # and the null block absorbed the padding rows: the pool's real blocks outside the tables are as
+    # they were, zeroed below the highest block held, untouched above it
     used = {b for s in seqs for b in s.block_table}
+    assert runner.zeroed == 1 + max(used)
     for blk in set(range(runner.null_block)) - used:
-        assert runner.cache[:, :, blk * 4:(blk + 1) * 4].abs().sum() == 0
+        kv = runner.cache[:, :, blk * 4:(blk + 1) * 4]
+        assert (kv == 0).all() if blk < runner.zeroed else kv.isnan().all()
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -656,10 +662,13 @@ def test_abort_frees_blocks_and_leaves_others_unchanged(models, spec):
 
 def test_sleep_frees_the_kv_pool_and_wake_up_restores_it(models):
     """A colocated trainer frees the pool and the CPU linears' prepacked weights for its backward
-    (LLM.sleep); outputs do not change."""
+    (LLM.sleep); outputs do not change. The new pool is uninitialised (poisoned here), and blocks are
+    handed out from id 0 again, so the engine zeroes the same few blocks it used before."""
     prompts = ragged_prompts(3, seed=5)
     llm = LLM(models["llama"], block_size=4, max_model_len=64)
     before = llm.generate(prompts, GREEDY, use_tqdm=False)
+    zeroed = llm.runner.zeroed
+    assert 0 < zeroed < llm.blocks.num_blocks // 4
     packed = lambda: sum("_pack" in m.__dict__ for m in llm.model.modules())
     assert packed() > 0 or not cpu_linear.PACK
     llm.sleep()
@@ -667,8 +676,10 @@ def test_sleep_frees_the_kv_pool_and_wake_up_restores_it(models):
     with pytest.raises(RuntimeError, match="asleep"):
         llm.generate(prompts, GREEDY, use_tqdm=False)
     llm.wake_up()
+    llm.runner.cache[:, :, :llm.blocks.num_blocks * 4] = float("nan")
     after = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.token_ids for o in after] == [o.token_ids for o in before]
+    assert llm.runner.zeroed == zeroed
     llm.add_request(prompts[0], GREEDY)
     with pytest.raises(RuntimeError, match="still running"):
         llm.sleep()

@@ -121,6 +121,11 @@ class BlockManager:
         self.hash_to_block.clear()
         self.block_hash = [None] * self.num_blocks
 
+    def rewind(self) -> None:
+        """Hand free blocks out from the lowest id again (`LLM.sleep`, which frees the pool): the fresh
+        pool is then zeroed only as far as the next requests reach (runner.Runner.zero_new_blocks)."""
+        self.free_blocks = dict.fromkeys(sorted(self.free_blocks))
+
     def _release(self, block: int) -> None:
         self.ref_count[block] -= 1
         assert self.ref_count[block] >= 0, f"block {block} freed twice"

@@ -205,6 +205,7 @@ class GraphRunner(Runner):
         if Q not in self.bufs:
             self.capture([Q])
         inp, out = self.bufs[Q]
+        self.zero_new_blocks(seqs)
         inp[:b].copy_(self.host_inputs(seqs, tokens, starts, b, Q))   # the one H2D copy
         if features is not None:     # ragged rows padded to Q (what pads them is never read back)
             self.feats[Q][:B].copy_(pad_sequence(features.split([len(t) for t in tokens]), batch_first=True))

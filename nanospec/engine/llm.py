@@ -473,6 +473,7 @@ class LLM:
         if self.scheduler.has_work():
             raise RuntimeError("sleep: requests are still running; finish or abort them first")
         self.blocks.reset_prefix_cache()     # the cached prompt KV goes with the pool
+        self.blocks.rewind()
         for r in self._runners():
             r.sleep()
         drop_packed_weights(self.model)
@@ -550,6 +551,7 @@ class LLM:
             if not all(self.blocks.ensure(s, ctx_len + num_query) for s in seqs):
                 raise RuntimeError(f"time_forward: not enough free KV blocks for B={batch_size}, C={ctx_len}")
             tokens = [[1] * num_query for _ in seqs]
+            runner.zero_new_blocks(seqs)         # a one-off cost, not the forward's
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
             t0 = time.perf_counter()

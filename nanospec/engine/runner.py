@@ -21,16 +21,37 @@ class Runner:
         self.model = prepack_linears(model)      # its CPU decode steps multiply by prepacked weights
         self.block_size = block_size
         self.null_block = num_blocks
-        self.cache = model.new_kv_cache(num_blocks, block_size)
+        self.cache = self._fresh_cache()
         self.device = self.cache.device
 
     def sleep(self) -> None:
-        """Free the KV cache tensor (`LLM.sleep`); `wake_up` allocates a fresh, zeroed one."""
+        """Free the KV cache tensor (`LLM.sleep`); `wake_up` allocates a fresh one."""
         self.cache = None
 
     def wake_up(self) -> None:
         if self.cache is None:
-            self.cache = self.model.new_kv_cache(self.null_block, self.block_size)
+            self.cache = self._fresh_cache()
+
+    def _fresh_cache(self) -> torch.Tensor:
+        """A pool uninitialised but for the null block: `zero_new_blocks` zeroes the rest as forwards
+        reach it. Zeroed up front, every page of the pool (2 GiB by default on CPU) was written at every
+        wake-up, once a GRPO step, though a rollout uses a fraction of it (docs/results.md)."""
+        cache = self.model.new_kv_cache(self.null_block, self.block_size)
+        cache[:, :, self.null_block * self.block_size:].zero_()
+        self.zeroed = 0      # blocks [0, zeroed) hold zeros or written K/V
+        return cache
+
+    def zero_new_blocks(self, seqs: list[Sequence]) -> None:
+        """Zero the blocks up to the highest one these sequences hold, the first time a forward reaches
+        them. A masked key is still read: its attention weight is exp(-inf) = 0, but 0 x NaN = NaN, so
+        every key slot read must hold a finite value; a block gets written only by a forward that holds it.
+        The block manager hands blocks out from id 0 up (and again after `LLM.sleep`), so this zeroes
+        about the blocks a rollout uses."""
+        top = 1 + max(max(s.block_table, default=-1) for s in seqs)
+        if top > self.zeroed:
+            bs = self.block_size
+            self.cache[:, :, self.zeroed * bs:top * bs].zero_()
+            self.zeroed = top
 
     def host_rows(self, seqs: list[Sequence], tokens: list[list[int]], starts: list[int], Q: int,
                   nb: int) -> list[list[int]]:
@@ -53,6 +74,7 @@ class Runner:
     def prepare(self, seqs: list[Sequence], tokens: list[list[int]], starts: list[int]):
         """-> input_ids [B, Q], positions [B, Q], PagedKV with slot_mapping [B, Q], key_slots [B, C]."""
         bs, dev = self.block_size, self.device
+        self.zero_new_blocks(seqs)
         Q = max(map(len, tokens))
         nb = max(len(s.block_table) for s in seqs)
         C = max(a + len(t) for a, t in zip(starts, tokens))

@@ -249,11 +249,12 @@ class CausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     def new_kv_cache(self, num_blocks: int, block_size: int) -> torch.Tensor:
-        """[L, 2, (num_blocks + 1) * block_size, n_kv, hd]; the extra block is the null block.
+        """[L, 2, (num_blocks + 1) * block_size, n_kv, hd], uninitialised; the extra block is the null
+        block. The engine zeroes a block before its first use (engine/runner.Runner.zero_new_blocks).
 
         Indexed by slot like that, but stored head-major ([L, 2, n_kv, slots, hd] permuted): gathering a
         sequence's keys then yields [n_kv, B, C, hd] blocks that batched matmuls read without a copy."""
         a = self.args
         p = next(self.parameters())
-        return torch.zeros(a.num_layers, 2, a.num_kv_heads, (num_blocks + 1) * block_size, a.head_dim,
+        return torch.empty(a.num_layers, 2, a.num_kv_heads, (num_blocks + 1) * block_size, a.head_dim,
                            dtype=p.dtype, device=p.device).transpose(2, 3)
