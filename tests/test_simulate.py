@@ -112,6 +112,18 @@ def test_an_engine_with_drafters_pays_the_rules_bookkeeping_on_every_step():
     assert t == pytest.approx(plain + sum(extra))
 
 
+def test_the_rows_a_drafter_is_asked_for_are_priced_drafts_found_or_not():
+    # engine/llm.py's per-row work (clips, KV blocks reserved) on a step whose drafter is asked, on the
+    # trace's share of row-forwards (its `asked_rows`): 3 prefill rows and 3 + 3 + 2 + 1 decode rows here
+    m, groups = shape(), [(16, [3, 5]), (8, [4])]
+    hw = sim.replace(clock(1.0), asked_row_s=0.1)
+    plain = sim.drain(hw, m, sim.Layout(), groups, sim.Spec(history=True))[0]
+    t, steps = sim.drain(hw, m, sim.Layout(), groups, sim.Spec(history=True, asked=0.5))
+    assert [s[2] for s in steps] == [3, 3, 3, 2, 1] and t == pytest.approx(plain + 0.1 * 0.5 * (3 + 9))
+    r = {"seq_forwards": 10, "asked_rows": 4, "drafter/suffix/verify_steps": 2, "drafter/suffix/proposed": 4}
+    assert sim.spec_from_metrics(r).asked == 0.4 and sim.spec_from_metrics(dict(r, asked_rows=0)).asked == 0
+
+
 def test_history_drafters_are_priced_per_emitted_token():
     # their propose() walks and inserts every token its rows emit, drafting or not, prefill included
     m, groups = sim.ModelShape.from_config(TINY, "tiny"), [(4, [1, 3, 5])]
@@ -282,9 +294,10 @@ def test_light_calibration_times_each_part_on_a_tiny_model():
     assert hw.overlap is False and hw.flops > 0 and hw.mem_bw > 0 and hw.interconnect_bw > 0
     assert hw.train_mfu > 0 and hw.train_overhead_s >= 0 and hw.draft_token_s > 0
     assert min(hw.step_overhead_s, hw.seq_overhead_s, hw.verify_overhead_s) >= 0
-    # the rule's bookkeeping is fitted on steps it declined: with its threshold out of reach, all but its probes
-    declined = [int(m.group(1)) for m in map(re.compile(r"(\d+) declined and").search, phases) if m]
-    assert declined and declined[0] >= 20, phases
+    # the rule's bookkeeping is fitted on steps it declined: with its threshold out of reach, all but its probes;
+    # the engine's per-row work on steps whose drafter finds nothing, with the threshold at ~0
+    counts = [m.groups() for m in map(re.compile(r"(\d+) declined, (\d+) asked-for-nothing").search, phases) if m]
+    assert counts and int(counts[0][0]) >= 20 and int(counts[0][1]) >= 20 and hw.asked_row_s >= 0, phases
     lens = [(40, 100)] * 8
     assert sim.train_compute(hw, sim.ModelShape.from_config(TINY, "tiny"), [lens, []], False)[1] == 0.0
 

@@ -49,6 +49,7 @@ class Hardware:
     seq_overhead_s: float = 0.0       # per sequence per engine step (host work per row)
     verify_overhead_s: float = 0.0    # once per step that verifies any draft (ragged packing, rejection sampler)
     spec_step_overhead_s: float = 0.0  # per step of an engine with drafters, drafting or not: the rule's budgets
+    asked_row_s: float = 0.0          # per row of a step whose drafter is asked, drafts found or not (clips, KV blocks)
     flops_eff: float = 1.0            # achievable fraction of peak FLOP/s in decode / verify GEMMs
     bw_eff: float = 1.0               # achievable fraction of peak bandwidth
     train_mfu: float = 1.0            # achievable fraction of peak FLOP/s in the trainer's forward + backward
@@ -313,7 +314,8 @@ class Spec:
     step drafts the k in 0..best_k with the most tokens per second (an adaptive controller) at
     `drafters[0]`'s a. `head`: a draft head of this shape, its forwards priced (k per drafting step, or
     the trace's `head_use` = (share of steps it drafts on, forwards on each, rows in each));
-    `head_training`: step, bubble or off; `history`: history drafters run (host time per emitted token)."""
+    `head_training`: step, bubble or off; `history`: history drafters run (host time per emitted token);
+    `asked`: share of row-forwards on steps whose drafter was asked (the engine's `asked_rows`)."""
     drafters: tuple = ()
     on: float = 0.0
     best_k: int = 0
@@ -321,6 +323,7 @@ class Spec:
     head_use: tuple = (0.0, 0.0, 0.0)
     head_training: str = "step"
     history: bool = False
+    asked: float = 0.0
 
     @property
     def configured(self) -> bool:
@@ -341,6 +344,11 @@ class Spec:
     def history_time(self, hw: Hardware, emitted: float) -> float:
         """The history drafters' host time for `emitted` tokens (prefill's first tokens included)."""
         return hw.draft_token_s * emitted if self.history else 0.0
+
+    def asked_time(self, hw: Hardware, rows: float, q: float = 1.0) -> float:
+        """The engine's own work on the `rows` of a step whose drafter is asked, drafts found or not (the
+        trace's share of them; choosing k: when it drafts). Host time of the step, not of propose()."""
+        return hw.asked_row_s * rows * (float(q > 1) if self.best_k else self.asked)
 
     def replay_q(self) -> float:
         """Query tokens per row of a replayed trace (1 + drafts per row-forward); 1 when choosing k."""
@@ -376,7 +384,8 @@ def spec_from_metrics(r: dict, head_cap: int | None = None) -> Spec:
         depth = r.get("drafter/head/depth") or steps * (head_cap or r["drafter/head/proposed"] / v)
         use = (min(1.0, steps / forwards), depth / steps, v / steps)
     history = any(k.split("/")[1] in HISTORY_DRAFTERS for k in r if k.startswith("drafter/"))
-    return Spec(tuple(ds), r.get("spec_on_frac", 1.0 if ds else 0.0), head_use=use, history=history)
+    asked = r.get("asked_rows", 0) / rows     # (a trace before the counter: not priced)
+    return Spec(tuple(ds), r.get("spec_on_frac", 1.0 if ds else 0.0), asked=asked, head_use=use, history=history)
 
 
 RANK_KEYS = ("rank_seq_forwards", "rank_verify_steps", "rank_proposed_tokens", "rank_accepted_tokens")
@@ -414,7 +423,8 @@ def drain(hw: Hardware, m: ModelShape, lay: Layout, groups: list, spec: Spec,
             reused = [0 if first else cached(p) for p, _, first, _ in new]
             qs = [p - c + d for (p, *_), c, d in zip(new, reused, drafts)]
             draft = spec.history_time(hw, sum(r[0] if r else 1.0 for *_, r in new))
-            dt, part = engine_step(hw, m, tp, qs, reused, sum(drafts) > 0) + draft, "prefill"
+            dt = engine_step(hw, m, tp, qs, reused, sum(drafts) > 0) + draft + spec.asked_time(hw, len(new))
+            part = "prefill"
             rem += [L - (r[0] if r else 1.0) for _, L, _, r in new]
             ctx += [p + 1.0 for p, *_ in new]
             rate += [r for *_, r in new]
@@ -424,10 +434,11 @@ def drain(hw: Hardware, m: ModelShape, lay: Layout, groups: list, spec: Spec,
                 qs, taus, v = [q for _, q in rate], [tau for tau, _ in rate], spec.on
                 draft = spec.drafting_time(hw, B, C, 1.0, sum(taus))
             else:
-                cost = lambda q, tau, v: engine_step(hw, m, tp, q, ctx, v) + spec.drafting_time(hw, B, C, q, B * tau)
+                cost = lambda q, tau, v: (engine_step(hw, m, tp, q, ctx, v) + spec.drafting_time(hw, B, C, q, B * tau)
+                                          + spec.asked_time(hw, B, q))
                 qs, tau, v = spec.choose(cost)
                 draft, taus = spec.drafting_time(hw, B, C, qs, B * tau), [tau] * B
-            dt = engine_step(hw, m, tp, qs, ctx, v) + draft
+            dt = engine_step(hw, m, tp, qs, ctx, v) + draft + spec.asked_time(hw, B, 1.0 if rates else qs)
             part, rem, ctx = "decode", [x - u for x, u in zip(rem, taus)], [c + u for c, u in zip(ctx, taus)]
         if not steps:      # the policy moved since the last rollout: a CPU engine repacks its linears
             dt += hw.repack_s_per_param * m.matmul_params      # (engine/cpu_linear.py), in this first step
@@ -518,7 +529,8 @@ def rollout(hw, m, lay, st, ranks: int, spec: Spec) -> dict:
     replay = where is st["ranks"] and spec is st["spec"]
     per_rank, rates = (st.get("rank_specs"), st.get("rates")) if replay else (None, None)
     if per_rank:       # per-rank counters merge the drafters: which drafters ran and the head's use are the step's
-        per_rank = [replace(s, head=spec.head, head_use=spec.head_use, history=spec.history) for s in per_rank]
+        per_rank = [replace(s, head=spec.head, head_use=spec.head_use, history=spec.history, asked=spec.asked)
+                    for s in per_rank]
     runs = [drain(hw, m, lay, [g for g, r in zip(st["groups"], where) if r == k],
                   per_rank[k] if per_rank and k < len(per_rank) else spec,
                   [x for x, r in zip(rates, where) if r == k] if rates else None) for k in range(ranks)]
@@ -601,7 +613,7 @@ def calibrated(cfg: dict, threads: int, where: str, ranks: int, device: str) -> 
     names = [ln.split(":", 1)[1].strip() for ln in (info.read_text().splitlines() if info.is_file() else [])
              if ln.startswith("model name")]
     machine = torch.cuda.get_device_name(0) if device != "cpu" else (names or [platform.processor()])[0]
-    key = json.dumps([cfg, threads, ranks, machine, os.cpu_count(), torch.__version__, 19]
+    key = json.dumps([cfg, threads, ranks, machine, os.cpu_count(), torch.__version__, 20]
                      + [device] * (device != "cpu"), sort_keys=True, default=str)
     path = cache_dir() / "profiles" / f"sim_{device}_{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
     if path.is_file():     # said, so a calibration taken on a busy box or another day is not trusted unseen
@@ -759,7 +771,7 @@ def repack_time(llm, med) -> float:
 def _drain_steps(llm, spec: bool, seed: int, vocab: int, light: bool, prompt_range: tuple) -> list:
     """A GRPO-like drain: 8 prompts x 8 greedy samples of log-uniform 4-128 tokens (light: 2 x 8): B shrinks
     and C grows as in a rollout, and each step's new shape pays oneDNN's kernel builds.
-    -> its decode steps [(B, C, Q, seconds, propose() seconds, verified any draft)]."""
+    -> its decode steps [(B, C, Q, seconds, propose() seconds, verified any draft, rows its drafter was asked for)]."""
     import torch
     from nanospec.engine.sequence import SamplingParams
     llm.speculate = spec
@@ -773,23 +785,24 @@ def _drain_steps(llm, spec: bool, seed: int, vocab: int, light: bool, prompt_ran
     out = []
     while llm.scheduler.has_work():
         rows, prefill = list(llm.scheduler.running), bool(llm.scheduler.waiting)
-        before, verified = llm.stats["generated_tokens"], llm.stats["verify_steps"]
+        before, verified, asked = llm.stats["generated_tokens"], llm.stats["verify_steps"], llm.stats["asked_rows"]
         drafting, t0 = llm.seconds["propose"], time.perf_counter()
         llm.step()
         if not prefill and rows:
             C = max(len(s) - 1 for s in rows)        # every row gathers the longest one's keys
             Q = (llm.stats["generated_tokens"] - before) / len(rows)   # all drafts accepted: Q = emitted
             out.append((len(rows), C, Q, time.perf_counter() - t0, llm.seconds["propose"] - drafting,
-                        llm.stats["verify_steps"] > verified))
+                        llm.stats["verify_steps"] > verified, llm.stats["asked_rows"] - asked))
     return out
 
 
 def _fit_engine_overheads(llm, hw: Hardware, m: ModelShape, vocab: int, light: bool, prompt_range: tuple,
                           done) -> Hardware:
     """Phase 2: host time per step and per row beyond the forward (AR drains), drafting per emitted token,
-    a declined step's extra (the rule's bookkeeping), then a verify step's (drains whose drafts are all
-    accepted)."""
+    a declined step's extra (the rule's bookkeeping), a row's when the drafter is asked and finds nothing
+    (the engine's clips and KV reservations), then a verify step's (drains whose drafts are all accepted)."""
     import gc
+    from nanospec.drafters.base import Proposal
     drain_steps = lambda spec, seed: _drain_steps(llm, spec, seed, vocab, light, prompt_range)
     ar = [s for seed in ((1, 2) if light else (1, 2, 5, 6)) for s in drain_steps(False, seed)]
     a, b = _fit_relative([[1.0, B] for B, *_ in ar], [t - _forward_time(hw, m, B, C, 1) for B, C, _, t, *_ in ar],
@@ -808,20 +821,31 @@ def _fit_engine_overheads(llm, hw: Hardware, m: ModelShape, vocab: int, light: b
     # rule decides such a step from the rows' largest and summed worth, not row by row: controller.py),
     # timed on drains where its threshold is out of reach (it declines all but its probes)
     threshold, llm.controller.min_speedup = llm.controller.min_speedup, 1e9
-    declined = [s for seed in (7, 8) for s in drain_steps(True, seed) if not s[5]]
+    declined = [s for seed in (7, 8) for s in drain_steps(True, seed) if not s[5] and not s[6]]
     llm.controller.min_speedup = threshold
+    ver = [s for seed in spec_seeds for s in drain_steps(True, seed) if s[2] > 1]   # every draft accepted
+    # last (its rule and drafter state are not the rollouts'), where the rule asks on every step a drafter
+    # that finds nothing: the engine's own work per row asked
+    propose, llm.controller.min_speedup = llm.drafter.propose, 1e-9
+    llm.drafter.propose = lambda seqs, budgets: Proposal([[] for _ in seqs])
+    asked = [s for s in drain_steps(True, 9) if s[6]]
+    llm.drafter.propose, llm.controller.min_speedup = propose, threshold
+    rest = lambda B, C, Q, t, p, asked_rows: (t - p - hw.spec_step_overhead_s - hw.asked_row_s * asked_rows
+                                              - _forward_time(hw, m, B, C, Q))
     if len(declined) >= 2:
-        d, = _fit_relative([[1.0] for _ in declined],
-                           [t - p - _forward_time(hw, m, B, C, 1) for B, C, _, t, p, _ in declined],
+        d, = _fit_relative([[1.0] for _ in declined], [rest(B, C, 1, t, p, 0) for B, C, _, t, p, *_ in declined],
                            [s[3] for s in declined])
         hw = replace(hw, spec_step_overhead_s=d)
-    ver = [s for seed in spec_seeds for s in drain_steps(True, seed) if s[2] > 1]   # every draft accepted
+    if len(asked) >= 2:
+        e, = _fit_relative([[n] for *_, n in asked], [rest(B, C, 1, t, p, 0) for B, C, _, t, p, *_ in asked],
+                           [s[3] for s in asked])
+        hw = replace(hw, asked_row_s=e)
     if len(ver) >= 2:       # the controller may draft on too few steps to fit (and nnls aborts on none)
-        # the rest of a verify step beyond its forward, propose() and the rule's bookkeeping
-        rest = [t - p - hw.spec_step_overhead_s - _forward_time(hw, m, B, C, Q) for B, C, Q, t, p, _ in ver]
-        c, = _fit_relative([[1.0] for _ in ver], rest, [s[3] for s in ver])
+        # the rest of a verify step beyond its forward, propose(), the rule's and the engine's bookkeeping
+        c, = _fit_relative([[1.0] for _ in ver], [rest(B, C, Q, t, p, n) for B, C, Q, t, p, _, n in ver],
+                           [s[3] for s in ver])
         hw = replace(hw, verify_overhead_s=hw.verify_overhead_s + c)
-    done(f"{len(declined)} declined and {len(ver)} verify steps timed"
+    done(f"{len(declined)} declined, {len(asked)} asked-for-nothing and {len(ver)} verify steps timed"
          + ("" if len(ver) >= 2 else ": too few verify steps, the forward grid's verify cost stands"))
     return hw
 

@@ -354,6 +354,7 @@ class LLM:
                    else [self.num_draft_tokens] * len(seqs))
         if not any(budgets):       # the toggle's common "off" answer: skip the per-sequence work below
             return empty
+        self.stats["asked_rows"] += len(seqs)       # the per-row work below, drafts found or not (tools.simulate)
         # never draft past max_tokens, the model's length, or the KV blocks we can get
         budgets = [max(0, min(k, s.params.max_tokens - s.num_completion_tokens - 1,
                               self.max_model_len - len(s) - 1)) for s, k in zip(seqs, budgets)]
@@ -570,7 +571,7 @@ class LLM:
 
 # the engine's counters (`LLM.stats`): summed over ranks by the rollout worker, derived by `summarize`
 COUNTERS = ("target_forwards", "seq_forwards", "generated_tokens", "prefill_tokens", "verify_steps",
-            "proposed_tokens", "accepted_tokens", "drafting_steps")
+            "proposed_tokens", "accepted_tokens", "drafting_steps", "asked_rows")
 
 
 def summarize(stats: dict, lossy: bool) -> dict:
