@@ -50,6 +50,7 @@ class Hardware:
     verify_overhead_s: float = 0.0    # once per step that verifies any draft (ragged packing, rejection sampler)
     spec_step_overhead_s: float = 0.0  # per step of an engine with drafters, drafting or not: the rule's budgets
     asked_row_s: float = 0.0          # per row of a step whose drafter is asked, drafts found or not (clips, KV blocks)
+    verify_token_s: float = 0.0       # per draft token a step verifies, beyond its forward
     flops_eff: float = 1.0            # achievable fraction of peak FLOP/s in decode / verify GEMMs
     bw_eff: float = 1.0               # achievable fraction of peak bandwidth
     train_mfu: float = 1.0            # achievable fraction of peak FLOP/s in the trainer's forward + backward
@@ -345,10 +346,11 @@ class Spec:
         """The history drafters' host time for `emitted` tokens (prefill's first tokens included)."""
         return hw.draft_token_s * emitted if self.history else 0.0
 
-    def asked_time(self, hw: Hardware, rows: float, q: float = 1.0) -> float:
+    def host_time(self, hw: Hardware, rows: float, q: float = 1.0, drafts: float = 0.0) -> float:
         """The engine's own work on the `rows` of a step whose drafter is asked, drafts found or not (the
-        trace's share of them; choosing k: when it drafts). Host time of the step, not of propose()."""
-        return hw.asked_row_s * rows * (float(q > 1) if self.best_k else self.asked)
+        trace's share of them; choosing k: when it drafts), and per draft token it verifies. Host time of
+        the step, not of propose()."""
+        return hw.asked_row_s * rows * (float(q > 1) if self.best_k else self.asked) + hw.verify_token_s * drafts
 
     def replay_q(self) -> float:
         """Query tokens per row of a replayed trace (1 + drafts per row-forward); 1 when choosing k."""
@@ -423,7 +425,8 @@ def drain(hw: Hardware, m: ModelShape, lay: Layout, groups: list, spec: Spec,
             reused = [0 if first else cached(p) for p, _, first, _ in new]
             qs = [p - c + d for (p, *_), c, d in zip(new, reused, drafts)]
             draft = spec.history_time(hw, sum(r[0] if r else 1.0 for *_, r in new))
-            dt = engine_step(hw, m, tp, qs, reused, sum(drafts) > 0) + draft + spec.asked_time(hw, len(new))
+            dt = (engine_step(hw, m, tp, qs, reused, sum(drafts) > 0) + draft
+                  + spec.host_time(hw, len(new), 1, sum(drafts)))
             part = "prefill"
             rem += [L - (r[0] if r else 1.0) for _, L, _, r in new]
             ctx += [p + 1.0 for p, *_ in new]
@@ -435,10 +438,11 @@ def drain(hw: Hardware, m: ModelShape, lay: Layout, groups: list, spec: Spec,
                 draft = spec.drafting_time(hw, B, C, 1.0, sum(taus))
             else:
                 cost = lambda q, tau, v: (engine_step(hw, m, tp, q, ctx, v) + spec.drafting_time(hw, B, C, q, B * tau)
-                                          + spec.asked_time(hw, B, q))
+                                          + spec.host_time(hw, B, q, B * (q - 1)))
                 qs, tau, v = spec.choose(cost)
                 draft, taus = spec.drafting_time(hw, B, C, qs, B * tau), [tau] * B
-            dt = engine_step(hw, m, tp, qs, ctx, v) + draft + spec.asked_time(hw, B, 1.0 if rates else qs)
+            drafts = sum(q - 1 for q in qs) if rates else B * (qs - 1)
+            dt = engine_step(hw, m, tp, qs, ctx, v) + draft + spec.host_time(hw, B, 1.0 if rates else qs, drafts)
             part, rem, ctx = "decode", [x - u for x, u in zip(rem, taus)], [c + u for c, u in zip(ctx, taus)]
         if not steps:      # the policy moved since the last rollout: a CPU engine repacks its linears
             dt += hw.repack_s_per_param * m.matmul_params      # (engine/cpu_linear.py), in this first step
@@ -613,7 +617,7 @@ def calibrated(cfg: dict, threads: int, where: str, ranks: int, device: str) -> 
     names = [ln.split(":", 1)[1].strip() for ln in (info.read_text().splitlines() if info.is_file() else [])
              if ln.startswith("model name")]
     machine = torch.cuda.get_device_name(0) if device != "cpu" else (names or [platform.processor()])[0]
-    key = json.dumps([cfg, threads, ranks, machine, os.cpu_count(), torch.__version__, 20]
+    key = json.dumps([cfg, threads, ranks, machine, os.cpu_count(), torch.__version__, 21]
                      + [device] * (device != "cpu"), sort_keys=True, default=str)
     path = cache_dir() / "profiles" / f"sim_{device}_{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
     if path.is_file():     # said, so a calibration taken on a busy box or another day is not trusted unseen
@@ -842,9 +846,10 @@ def _fit_engine_overheads(llm, hw: Hardware, m: ModelShape, vocab: int, light: b
         hw = replace(hw, asked_row_s=e)
     if len(ver) >= 2:       # the controller may draft on too few steps to fit (and nnls aborts on none)
         # the rest of a verify step beyond its forward, propose(), the rule's and the engine's bookkeeping
-        c, = _fit_relative([[1.0] for _ in ver], [rest(B, C, Q, t, p, n) for B, C, Q, t, p, _, n in ver],
-                           [s[3] for s in ver])
-        hw = replace(hw, verify_overhead_s=hw.verify_overhead_s + c)
+        # per step and per draft token: its drafts are all accepted at up to k = 8, a rollout's far fewer
+        c, d = _fit_relative([[1.0, B * (Q - 1)] for B, C, Q, *_ in ver],
+                             [rest(B, C, Q, t, p, n) for B, C, Q, t, p, _, n in ver], [s[3] for s in ver])
+        hw = replace(hw, verify_overhead_s=hw.verify_overhead_s + c, verify_token_s=d)
     done(f"{len(declined)} declined, {len(asked)} asked-for-nothing and {len(ver)} verify steps timed"
          + ("" if len(ver) >= 2 else ": too few verify steps, the forward grid's verify cost stands"))
     return hw
