@@ -122,6 +122,15 @@ def test_the_rows_a_drafter_is_asked_for_are_priced_drafts_found_or_not():
     assert [s[2] for s in steps] == [3, 3, 3, 2, 1] and t == pytest.approx(plain + 0.1 * 0.5 * (3 + 9))
     r = {"seq_forwards": 10, "asked_rows": 4, "drafter/suffix/verify_steps": 2, "drafter/suffix/proposed": 4}
     assert sim.spec_from_metrics(r).asked == 0.4 and sim.spec_from_metrics(dict(r, asked_rows=0)).asked == 0
+    # and each draft token a step verifies costs its own (the calibration's verify drains draft 8 a row,
+    # rollouts about 2): a replay drafting 2 tokens on half its row-forwards pays for 1 a row per step
+    hw = sim.replace(hw, verify_token_s=0.2)
+    assert sim.Spec(asked=0.5).host_time(hw, 4, 1, 6) == pytest.approx(0.1 * 4 * 0.5 + 0.2 * 6)
+    spec = sim.Spec(((0.5, 2.0, 0.5),), 1.0, history=True)
+    free, steps = sim.drain(sim.replace(hw, verify_token_s=0.0), m, sim.Layout(), groups, spec)
+    priced = sim.drain(hw, m, sim.Layout(), groups, spec)[0]
+    # every step's rows, the prefill's 3 included, carry replay_q() - 1 = 1 draft each
+    assert priced - free == pytest.approx(0.2 * sum(B * (spec.replay_q() - 1) for _, _, B, _, _ in steps))
 
 
 def test_history_drafters_are_priced_per_emitted_token():
