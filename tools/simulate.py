@@ -847,9 +847,9 @@ def _fit_engine_overheads(llm, hw: Hardware, m: ModelShape, vocab: int, light: b
     if len(ver) >= 2:       # the controller may draft on too few steps to fit (and nnls aborts on none)
         # the rest of a verify step beyond its forward, propose(), the rule's and the engine's bookkeeping
         # per step and per draft token: its drafts are all accepted at up to k = 8, a rollout's far fewer
-        c, d = _fit_relative([[1.0, B * (Q - 1)] for B, C, Q, *_ in ver],
-                             [rest(B, C, Q, t, p, n) for B, C, Q, t, p, _, n in ver], [s[3] for s in ver])
-        hw = replace(hw, verify_overhead_s=hw.verify_overhead_s + c, verify_token_s=d)
+        c, per_token = _fit_relative([[1.0, B * (Q - 1)] for B, C, Q, *_ in ver],
+                                     [rest(B, C, Q, t, p, n) for B, C, Q, t, p, _, n in ver], [s[3] for s in ver])
+        hw = replace(hw, verify_overhead_s=hw.verify_overhead_s + c, verify_token_s=per_token)
     done(f"{len(declined)} declined, {len(asked)} asked-for-nothing and {len(ver)} verify steps timed"
          + ("" if len(ver) >= 2 else ": too few verify steps, the forward grid's verify cost stands"))
     return hw

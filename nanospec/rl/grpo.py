@@ -548,7 +548,7 @@ class Trainer:
         """One AdamW step of the draft head on the gradients accumulated this step (collective): the
         trainer's hidden states (`step`), or what the ranks computed in their bubbles (`bubble`); then
         into the engine's head. Its teacher reads the engine's LM head, synced just before."""
-        dist.barrier()      # the ranks' engine wake-ups differ by seconds: a wait that is not the head's
+        dist.barrier()      # the ranks arrive after their own wake-up and weight sync: a wait that is not the head's
         t0, batches, self._head_batches = time.perf_counter(), self._head_batches, []
         self.head_backward(self._head_sample(batches))
         n, loss = (float(x) for x in self._all_reduce(torch.tensor(self._head_sums, dtype=torch.float64)))
