@@ -9,6 +9,7 @@
 # Resumable: a run with a DONE file is skipped, a partial one resumes from its last checkpoint (every
 # 5 steps); a finished one keeps only its final checkpoint. After each run, `tools.simulate --run`
 # replays it (simulate.txt; the calibration is cached).
+# EXTRA="--section.key=value ..." is passed to every run (e.g. EXTRA=--task.num_test=4 for a short eval).
 # usage (from the repository root): tools/seed_table.sh OUT_ROOT ["0 1 2 3"] ["ar ps head frozen"]
 set -euo pipefail
 out=${1:?usage: tools/seed_table.sh OUT_ROOT [seeds] [arms]}
@@ -29,6 +30,8 @@ for seed in $seeds; do
       bubble) extra=("--rollout.speculative=$chain" --speculation.head_training=bubble) ;;
       *) echo "tools/seed_table.sh: arm '$arm': expected one of ar, ps, head, frozen, bubble" >&2; exit 2 ;;
     esac
+    read -ra more <<<"${EXTRA:-}"
+    extra+=("${more[@]}")
     mkdir -p "$dir"
     echo "[seed_table] $(date -u +%FT%TZ) $arm seed $seed -> $dir"
     OMP_NUM_THREADS=1 "$bin/torchrun" --standalone --nproc_per_node=2 train.py \
