@@ -65,6 +65,22 @@ def test_drain_matches_hand_computation():
     assert t == 3.0 and [s[2] for s in steps] == [2, 2, 1]
 
 
+def test_a_prefill_prices_the_lm_head_where_it_samples_and_the_heads_prompt_forward():
+    """engine/llm.py `_prefill` runs the LM head only at each fresh prompt's last token (and its drafts), and
+    a draft head runs one forward over the prompt (its KV): the replay's prefill step prices both."""
+    m = sim.ModelShape.from_config(TINY, "tiny")
+    hw = sim.Hardware("cpu", 1e9, 1e30, 1e30, overlap=False)       # only FLOPs cost: hand-countable
+    lm_head = m.vocab * m.hidden
+    every, sampled = (sim.engine_step(hw, m, 1, [40], [0], head_tokens=h) for h in (None, 1))
+    assert every - sampled == pytest.approx(2 * lm_head * 39 / hw.flops)
+    _, steps = sim.drain(hw, m, sim.Layout(), [(40, [1])], sim.Spec())      # one prefill, and done
+    assert len(steps) == 1 and steps[0][1] == pytest.approx(sampled)
+    head = replace(sim.Spec(), head=m.draft_head())
+    _, with_head = sim.drain(replace(hw, draft_step_overhead_s=0.5), m, sim.Layout(), [(40, [1])], head)
+    head_forward = (2 * (head.head.matmul_params - lm_head) * 40 + head.head.attn_flops_per_pair * 40 * 40) / hw.flops
+    assert with_head[0][1] == pytest.approx(sampled + head_forward + 0.5)
+
+
 def test_leviathan_and_its_inverse():
     assert sim.leviathan(0.0, 4) == 1.0 and sim.leviathan(1.0, 4) == 5.0
     assert sim.leviathan(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
@@ -86,8 +102,9 @@ def test_per_position_acceptance_and_a_priced_head():
                                         "spec")["sync_mean"]["time_rollout"]
     free, priced = run(hw, None), run(hw, head)
     assert free < priced < ar                              # its forwards cost, and it still pays here
-    # a head forward costing a decode step's worth each: no k pays, the rows decode as AR
-    assert run(sim.replace(hw, draft_step_overhead_s=1.0), head) == pytest.approx(ar)
+    # a head forward costing a decode step's worth each: no k pays, the rows decode as AR, and each rank's
+    # one prefill still runs the head over its prompts (its KV): one slow forward more
+    assert run(sim.replace(hw, draft_step_overhead_s=1.0), head) == pytest.approx(ar + 1.0, abs=1e-3)
 
 
 def test_a_cpu_engine_repacks_its_linears_once_a_rollout():
@@ -302,7 +319,8 @@ def test_light_calibration_times_each_part_on_a_tiny_model():
     hw = sim.calibrate(dict(TINY, max_position_embeddings=256), 1, "tiny", light=True, log=phases.append)
     assert hw.overlap is False and hw.flops > 0 and hw.mem_bw > 0 and hw.interconnect_bw > 0
     assert hw.train_mfu > 0 and hw.train_overhead_s >= 0 and hw.draft_token_s > 0
-    assert min(hw.step_overhead_s, hw.seq_overhead_s, hw.verify_overhead_s) >= 0
+    assert min(hw.step_overhead_s, hw.seq_overhead_s, hw.verify_overhead_s, hw.wide_flops) >= 0
+    assert any("prefills timed" in p for p in phases)     # (wide_flops 0: its compute hid under host time)
     # the rule's bookkeeping is fitted on steps it declined: with its threshold out of reach, all but its probes;
     # the engine's per-row work on steps whose drafter finds nothing, with the threshold at ~0
     counts = [m.groups() for m in map(re.compile(r"(\d+) declined, (\d+) asked-for-nothing").search, phases) if m]
@@ -342,6 +360,11 @@ def test_engine_step_prices_the_engines_padding():
     assert sim.engine_step(hw, m, 1, [1, 1], [10, 30]) == sim.step_time(hw, m, 1, 2, 2, 62 - 2, 2 * 31)
     # a prefill of prompts of 40 and 4 tokens: SDPA runs [2, 40, 40]
     assert sim.engine_step(hw, m, 1, [40, 4], [0, 0]) == sim.step_time(hw, m, 1, 2, 44, 80 - 44, 2 * 40 * 40)
+    # a wide step (a prefill past SMALL_Q) runs at the FLOP/s timed for it, a narrow one at the grid's
+    wide = replace(hw, wide_flops=hw.flops / 3)
+    assert sim.engine_step(wide, m, 1, [40, 4], [0, 0]) == sim.step_time(replace(hw, flops=hw.flops / 3), m, 1, 2, 44,
+                                                                          80 - 44, 2 * 40 * 40)
+    assert sim.engine_step(wide, m, 1, [1, 1], [10, 30]) == sim.engine_step(hw, m, 1, [1, 1], [10, 30])
     # varlen kernels (the GPU presets): each row its own keys, causal pairs among the new tokens
     varlen = replace(hw, padded=False)
     assert sim.engine_step(varlen, m, 1, [1, 1], [10, 30]) == sim.step_time(varlen, m, 1, 2, 2, 40, 10.5 + 30.5)

@@ -51,6 +51,7 @@ class Hardware:
     spec_step_overhead_s: float = 0.0  # per step of an engine with drafters, drafting or not: the rule's budgets
     asked_row_s: float = 0.0          # per row of a step whose drafter is asked, drafts found or not (clips, KV blocks)
     verify_token_s: float = 0.0       # per draft token a step verifies, beyond its forward
+    wide_flops: float = 0.0           # FLOP/s of a padded wide step (Q > SMALL_Q: a prefill, SDPA); 0: flops
     flops_eff: float = 1.0            # achievable fraction of peak FLOP/s in decode / verify GEMMs
     bw_eff: float = 1.0               # achievable fraction of peak bandwidth
     train_mfu: float = 1.0            # achievable fraction of peak FLOP/s in the trainer's forward + backward
@@ -164,14 +165,17 @@ SMALL_Q = 16      # engine/paged_attention.SMALL_Q: on CPU, steps up to this man
 
 
 def step_time(hw: Hardware, m: ModelShape, tp: int, rows: float, tokens: float, kv_read: float, pairs: float,
-              verify: float = 0.0) -> float:
+              verify: float = 0.0, head_tokens: float | None = None) -> float:
     """Seconds of one engine forward: `rows` sequences feed `tokens` query tokens (B*Q), read `kv_read`
-    cached tokens and score `pairs` (query, key) pairs.
-        FLOPs = 2 * matmul_params * tokens + attn_flops_per_pair * pairs
+    cached tokens and score `pairs` (query, key) pairs; the LM head sees `head_tokens` of them (default
+    all: a decode or verify step; a prefill samples only at each prompt's last token and its drafts).
+        FLOPs = 2 * (matmul_params - lm_head) * tokens + 2 * lm_head * head_tokens + attn_flops_per_pair * pairs
         bytes = weights + (kv_read + tokens) * kv_bytes_per_token            (KV reads + writes)
     TP splits both over tp devices and adds 2 activation all-reduces per layer (ring: 2(tp-1)/tp).
     On one CPU core they add (docs/results.md, issue 48: SmolLM2's batch-1 step reads at ~6 GB/s)."""
-    compute = (2 * m.matmul_params * tokens + m.attn_flops_per_pair * pairs) / (tp * hw.flops * hw.flops_eff)
+    lm_head = m.vocab * m.hidden
+    matmuls = (m.matmul_params - lm_head) * tokens + lm_head * (tokens if head_tokens is None else head_tokens)
+    compute = (2 * matmuls + m.attn_flops_per_pair * pairs) / (tp * hw.flops * hw.flops_eff)
     nbytes = m.matmul_params * m.dtype_bytes + (kv_read + tokens) * m.kv_bytes_per_token
     memory = nbytes / (tp * hw.mem_bw * hw.bw_eff)
     comm = 2 * m.layers * tokens * m.hidden * m.dtype_bytes * 2 * (tp - 1) / tp / (hw.interconnect_bw / 2)
@@ -179,11 +183,15 @@ def step_time(hw: Hardware, m: ModelShape, tp: int, rows: float, tokens: float, 
     return body + comm + hw.step_overhead_s + hw.seq_overhead_s * rows + hw.verify_overhead_s * verify
 
 
-def engine_step(hw: Hardware, m: ModelShape, tp: int, qs: list | float, ctx: list, verify: float = 0.0) -> float:
+def engine_step(hw: Hardware, m: ModelShape, tp: int, qs: list | float, ctx: list, verify: float = 0.0,
+                head_tokens: float | None = None) -> float:
     """One forward: row b feeds qs[b] new tokens (a number: every row as many) after ctx[b] cached; the
-    linears see only real tokens. nanospec's engine (hw.padded) gathers the longest row's keys for every
-    row and pads a wide step (Q > SMALL_Q: a prefill) to the widest row; varlen kernels (vLLM's) do not."""
+    linears see only real tokens (the LM head `head_tokens` of them: step_time). nanospec's engine (hw.padded)
+    gathers the longest row's keys for every row and pads a wide step (Q > SMALL_Q: a prefill) to the widest
+    row; varlen kernels (vLLM's) do not."""
     B = len(ctx)
+    if hw.padded and hw.wide_flops and (max(qs) if isinstance(qs, list) else qs) > SMALL_Q:
+        hw = replace(hw, flops=hw.wide_flops, flops_eff=1.0)      # SDPA and wide GEMMs: timed apart (_fit_wide)
     if isinstance(qs, list):
         N, Q, C = sum(qs), max(qs), max(c + q for q, c in zip(qs, ctx))
         causal = lambda: sum(q * (c + q / 2) for q, c in zip(qs, ctx))
@@ -191,8 +199,8 @@ def engine_step(hw: Hardware, m: ModelShape, tp: int, qs: list | float, ctx: lis
         N, Q, C = B * qs, qs, max(ctx) + qs
         causal = lambda: qs * (sum(ctx) + B * qs / 2)
     if not hw.padded:
-        return step_time(hw, m, tp, B, N, sum(ctx), causal(), verify)
-    return step_time(hw, m, tp, B, N, B * C - N, (B * Q if Q > SMALL_Q else N) * C, verify)
+        return step_time(hw, m, tp, B, N, sum(ctx), causal(), verify, head_tokens)
+    return step_time(hw, m, tp, B, N, B * C - N, (B * Q if Q > SMALL_Q else N) * C, verify, head_tokens)
 
 
 def update_time(hw: Hardware, params: int, ranks: int) -> tuple[float, float]:
@@ -338,9 +346,18 @@ class Spec:
         share, k, rows = (1.0, q - 1, B) if self.best_k and self.head else self.head_use
         head = 0.0
         if self.head is not None and share and k > 0:
-            eager = replace(hw, step_overhead_s=hw.draft_step_overhead_s, seq_overhead_s=0.0, verify_overhead_s=0.0)
-            head = share * (k * step_time(eager, self.head, 1, rows, rows, rows * C, rows * C))
+            head = share * (k * step_time(self._eager(hw), self.head, 1, rows, rows, rows * C, rows * C))
         return self.history_time(hw, emitted) + head
+
+    def head_prefill_time(self, hw: Hardware, qs: list, ctx: list) -> float:
+        """A draft head's forward over the prompt tokens a prefill computes (its KV for the prompt, no LM
+        head: drafters/head.py `prefill`), in the prefill step."""
+        return 0.0 if self.head is None else engine_step(self._eager(hw), self.head, 1, qs, ctx, head_tokens=0)
+
+    @staticmethod
+    def _eager(hw: Hardware) -> Hardware:
+        """A head's forward: its own host time per forward (`draft_step_overhead_s`), none per row."""
+        return replace(hw, step_overhead_s=hw.draft_step_overhead_s, seq_overhead_s=0.0, verify_overhead_s=0.0)
 
     def history_time(self, hw: Hardware, emitted: float) -> float:
         """The history drafters' host time for `emitted` tokens (prefill's first tokens included)."""
@@ -425,7 +442,9 @@ def drain(hw: Hardware, m: ModelShape, lay: Layout, groups: list, spec: Spec,
             reused = [0 if first else cached(p) for p, _, first, _ in new]
             qs = [p - c + d for (p, *_), c, d in zip(new, reused, drafts)]
             draft = spec.history_time(hw, sum(r[0] if r else 1.0 for *_, r in new))
-            dt = (engine_step(hw, m, tp, qs, reused, sum(drafts) > 0) + draft
+            # the LM head at each prompt's last token and its drafts only (engine/llm.py `_prefill`)
+            dt = (engine_step(hw, m, tp, qs, reused, sum(drafts) > 0, len(new) + sum(drafts)) + draft
+                  + spec.head_prefill_time(hw, [p - c for (p, *_), c in zip(new, reused)], reused)
                   + spec.host_time(hw, len(new), 1, sum(drafts)))
             part = "prefill"
             rem += [L - (r[0] if r else 1.0) for _, L, _, r in new]
@@ -617,7 +636,7 @@ def calibrated(cfg: dict, threads: int, where: str, ranks: int, device: str) -> 
     names = [ln.split(":", 1)[1].strip() for ln in (info.read_text().splitlines() if info.is_file() else [])
              if ln.startswith("model name")]
     machine = torch.cuda.get_device_name(0) if device != "cpu" else (names or [platform.processor()])[0]
-    key = json.dumps([cfg, threads, ranks, machine, os.cpu_count(), torch.__version__, 21]
+    key = json.dumps([cfg, threads, ranks, machine, os.cpu_count(), torch.__version__, 24]
                      + [device] * (device != "cpu"), sort_keys=True, default=str)
     path = cache_dir() / "profiles" / f"sim_{device}_{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
     if path.is_file():     # said, so a calibration taken on a busy box or another day is not trusted unseen
@@ -692,7 +711,7 @@ def calibrate(cfg: dict, threads: int, where: str, sync=lambda: None, light: boo
     t_start = time.perf_counter()
     done = (lambda phase: log(f"{phase} ({time.perf_counter() - t_start:.0f} s)")) if log else (lambda phase: None)
     prompt_range = (32, 96) if light else (6, 48)   # light: a CPU rank's prompts of a real model's GRPO
-    hw = _fit_roofline(llm, m, maxlen, med, light, gpu, sync, done)
+    hw = _fit_wide(llm, m, _fit_roofline(llm, m, maxlen, med, light, gpu, sync, done), light, prompt_range, done)
     if not gpu:
         hw = replace(hw, repack_s_per_param=repack_time(llm, med) / m.matmul_params)
     hw = replace(hw, draft_step_overhead_s=head_overhead(llm, m, hw, maxlen, med, 1 if light else 3))
@@ -756,6 +775,43 @@ def _fit_roofline(llm, m: ModelShape, maxlen: int, med, light: bool, gpu: bool, 
     x = least_squares(lambda x: [math.log(_forward_time(hw_of(x), m, B, C, Q) / t) for B, C, Q, t in fwd],
                       np.log([1e14 if gpu else 1e10, 1e12 if gpu else 1e10, 1e-3, 1e-5, 1e-4])).x
     return hw_of(x)
+
+
+def _fit_wide(llm, m: ModelShape, hw: Hardware, light: bool, prompt_range: tuple, done) -> Hardware:
+    """Phase 1b: a wide step (more than SMALL_Q query tokens a row: a prefill) runs SDPA over its padded
+    batch and wide GEMMs, not the small-Q kernels the grid timed, whose FLOP/s do not carry over to it
+    (docs/results.md). Its FLOP/s are timed on prefills of ragged prompts, as a rollout's (each a new shape,
+    the LM head at each row's last token), beyond their memory traffic and host time as fitted (on a GPU,
+    whose traffic overlaps: beyond its host time)."""
+    import torch
+    from nanospec.engine.sequence import SamplingParams, Sequence
+    g = torch.Generator().manual_seed(11)
+    lo, hi = prompt_range
+    batches = [[int(lo * (hi / lo) ** float(torch.rand(1, generator=g))) for _ in range(B)]
+               for B in ((8, 16) if light else (16, 32, 64)) for _ in range(2)]
+    count = replace(hw, flops=1.0, flops_eff=1.0, mem_bw=math.inf, step_overhead_s=0.0, seq_overhead_s=0.0)
+    rest = replace(hw, flops=math.inf, mem_bw=math.inf if hw.overlap else hw.mem_bw)
+    wait = torch.cuda.synchronize if llm.device.type == "cuda" else (lambda: None)
+    rows = []
+    for lens in batches:
+        seqs = [Sequence([3] * n, SamplingParams()) for n in lens]
+        for s in seqs:
+            llm.blocks.ensure(s, len(s))
+        llm.runner.zero_new_blocks(seqs)
+        wait()
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            hidden = llm.runner.forward(seqs, [s.token_ids for s in seqs], [0] * len(seqs))
+            llm.model.logits(hidden[torch.arange(len(seqs)), torch.tensor(lens) - 1])
+        wait()
+        t = time.perf_counter() - t0
+        for s in seqs:
+            llm.blocks.free(s)
+        priced = (engine_step(machine, m, 1, lens, [0] * len(lens), head_tokens=len(lens)) for machine in (count, rest))
+        rows.append((*priced, t))
+    per_flop, = _fit_relative([[f] for f, _, _ in rows], [t - r for _, r, t in rows], [t for *_, t in rows])
+    done(f"{len(batches)} prefills timed")
+    return replace(hw, wide_flops=1.0 / per_flop) if per_flop > 0 else hw
 
 
 def repack_time(llm, med) -> float:
