@@ -318,6 +318,17 @@ def test_kv_pool_too_small_for_one_sequence_is_a_clear_error(models):
     assert not llm.scheduler.has_work()      # refused up front: nothing queued, nothing half-generated
 
 
+def test_time_forward_times_a_ragged_prefill_on_scratch_blocks(models):
+    """LLM.time_forward with a query length per row (tools.simulate's prefill fit): its scratch blocks all
+    come back, and a batch the pool cannot hold is an error, not a partial forward."""
+    llm = LLM(models["llama"], block_size=4, num_kv_blocks=16, max_model_len=64)
+    free = llm.num_free_blocks
+    assert llm.time_forward(3, 0, [5, 17, 9]) > 0 and llm.num_free_blocks == free
+    with pytest.raises(RuntimeError, match="not enough free KV blocks"):
+        llm.time_forward(3, 0, [40, 40, 40])
+    assert llm.num_free_blocks == free
+
+
 def test_cpu_kv_pool_comes_from_a_byte_budget(models):
     from nanospec.engine.cuda_graphs import kv_block_bytes
     big = LLM(models["llama"], block_size=16, max_num_seqs=64)          # max_model_len 256: 64 x 16 blocks

@@ -190,8 +190,6 @@ def engine_step(hw: Hardware, m: ModelShape, tp: int, qs: list | float, ctx: lis
     gathers the longest row's keys for every row and pads a wide step (Q > SMALL_Q: a prefill) to the widest
     row; varlen kernels (vLLM's) do not."""
     B = len(ctx)
-    if hw.padded and hw.wide_flops and (max(qs) if isinstance(qs, list) else qs) > SMALL_Q:
-        hw = replace(hw, flops=hw.wide_flops, flops_eff=1.0)      # SDPA and wide GEMMs: timed apart (_fit_wide)
     if isinstance(qs, list):
         N, Q, C = sum(qs), max(qs), max(c + q for q, c in zip(qs, ctx))
         causal = lambda: sum(q * (c + q / 2) for q, c in zip(qs, ctx))
@@ -200,6 +198,8 @@ def engine_step(hw: Hardware, m: ModelShape, tp: int, qs: list | float, ctx: lis
         causal = lambda: qs * (sum(ctx) + B * qs / 2)
     if not hw.padded:
         return step_time(hw, m, tp, B, N, sum(ctx), causal(), verify, head_tokens)
+    if hw.wide_flops and Q > SMALL_Q:      # SDPA and wide GEMMs: their own FLOP/s (_fit_wide)
+        hw = replace(hw, flops=hw.wide_flops, flops_eff=1.0)
     return step_time(hw, m, tp, B, N, B * C - N, (B * Q if Q > SMALL_Q else N) * C, verify, head_tokens)
 
 
@@ -440,11 +440,12 @@ def drain(hw: Hardware, m: ModelShape, lay: Layout, groups: list, spec: Spec,
             # speculative prefill (engine/llm.py): a replayed row's drafts ride in its prefill too
             drafts = [(r[1] if r else spec.replay_q()) - 1.0 for *_, r in new]
             reused = [0 if first else cached(p) for p, _, first, _ in new]
-            qs = [p - c + d for (p, *_), c, d in zip(new, reused, drafts)]
+            prompt = [p - c for (p, *_), c in zip(new, reused)]          # the prompt tokens it computes
+            qs = [q + d for q, d in zip(prompt, drafts)]
             draft = spec.history_time(hw, sum(r[0] if r else 1.0 for *_, r in new))
             # the LM head at each prompt's last token and its drafts only (engine/llm.py `_prefill`)
             dt = (engine_step(hw, m, tp, qs, reused, sum(drafts) > 0, len(new) + sum(drafts)) + draft
-                  + spec.head_prefill_time(hw, [p - c for (p, *_), c in zip(new, reused)], reused)
+                  + spec.head_prefill_time(hw, prompt, reused)
                   + spec.host_time(hw, len(new), 1, sum(drafts)))
             part = "prefill"
             rem += [L - (r[0] if r else 1.0) for _, L, _, r in new]
@@ -784,31 +785,14 @@ def _fit_wide(llm, m: ModelShape, hw: Hardware, light: bool, prompt_range: tuple
     the LM head at each row's last token), beyond their memory traffic and host time as fitted (on a GPU,
     whose traffic overlaps: beyond its host time)."""
     import torch
-    from nanospec.engine.sequence import SamplingParams, Sequence
     g = torch.Generator().manual_seed(11)
     lo, hi = prompt_range
     batches = [[int(lo * (hi / lo) ** float(torch.rand(1, generator=g))) for _ in range(B)]
                for B in ((8, 16) if light else (16, 32, 64)) for _ in range(2)]
     count = replace(hw, flops=1.0, flops_eff=1.0, mem_bw=math.inf, step_overhead_s=0.0, seq_overhead_s=0.0)
     rest = replace(hw, flops=math.inf, mem_bw=math.inf if hw.overlap else hw.mem_bw)
-    wait = torch.cuda.synchronize if llm.device.type == "cuda" else (lambda: None)
-    rows = []
-    for lens in batches:
-        seqs = [Sequence([3] * n, SamplingParams()) for n in lens]
-        for s in seqs:
-            llm.blocks.ensure(s, len(s))
-        llm.runner.zero_new_blocks(seqs)
-        wait()
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            hidden = llm.runner.forward(seqs, [s.token_ids for s in seqs], [0] * len(seqs))
-            llm.model.logits(hidden[torch.arange(len(seqs)), torch.tensor(lens) - 1])
-        wait()
-        t = time.perf_counter() - t0
-        for s in seqs:
-            llm.blocks.free(s)
-        priced = (engine_step(machine, m, 1, lens, [0] * len(lens), head_tokens=len(lens)) for machine in (count, rest))
-        rows.append((*priced, t))
+    rows = [(*(engine_step(machine, m, 1, lens, [0] * len(lens), head_tokens=len(lens)) for machine in (count, rest)),
+             llm.time_forward(len(lens), 0, lens)) for lens in batches]
     per_flop, = _fit_relative([[f] for f, _, _ in rows], [t - r for _, r, t in rows], [t for *_, t in rows])
     done(f"{len(batches)} prefills timed")
     return replace(hw, wide_flops=1.0 / per_flop) if per_flop > 0 else hw

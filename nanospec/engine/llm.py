@@ -543,20 +543,24 @@ class LLM:
             self.drafter.refresh(self.model)
 
     @torch.inference_mode()
-    def time_forward(self, batch_size: int, ctx_len: int, num_query: int, drafter=None) -> float:
+    def time_forward(self, batch_size: int, ctx_len: int, num_query: int | list[int], drafter=None) -> float:
         """Seconds of one target forward at (B, C, Q) on scratch blocks: the latency model's profile.
+        num_query as a list: row b's new tokens, a ragged prefill, sampled at each row's last one only.
         With a model drafter: one forward of its model instead (it shares the target's block tables)."""
         model, runner = (self.model, self.runner) if drafter is None else (drafter.model, drafter.runner)
-        seqs = [Sequence([0] * (ctx_len + num_query), SamplingParams()) for _ in range(batch_size)]
+        ragged = isinstance(num_query, list)
+        qs = num_query if ragged else [num_query] * batch_size
+        seqs = [Sequence([0] * (ctx_len + q), SamplingParams()) for q in qs]
         try:
-            if not all(self.blocks.ensure(s, ctx_len + num_query) for s in seqs):
+            if not all(self.blocks.ensure(s, len(s)) for s in seqs):
                 raise RuntimeError(f"time_forward: not enough free KV blocks for B={batch_size}, C={ctx_len}")
-            tokens = [[1] * num_query for _ in seqs]
+            tokens = [[1] * q for q in qs]
             runner.zero_new_blocks(seqs)         # a one-off cost, not the forward's
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
-            model.logits(runner.forward(seqs, tokens, [ctx_len] * batch_size))
+            hidden = runner.forward(seqs, tokens, [ctx_len] * batch_size)
+            model.logits(hidden[torch.arange(batch_size), torch.tensor(qs) - 1] if ragged else hidden)
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
             return time.perf_counter() - t0
