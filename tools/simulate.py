@@ -637,7 +637,7 @@ def calibrated(cfg: dict, threads: int, where: str, ranks: int, device: str) -> 
     names = [ln.split(":", 1)[1].strip() for ln in (info.read_text().splitlines() if info.is_file() else [])
              if ln.startswith("model name")]
     machine = torch.cuda.get_device_name(0) if device != "cpu" else (names or [platform.processor()])[0]
-    key = json.dumps([cfg, threads, ranks, machine, os.cpu_count(), torch.__version__, 24]
+    key = json.dumps([cfg, threads, ranks, machine, os.cpu_count(), torch.__version__, 25]
                      + [device] * (device != "cpu"), sort_keys=True, default=str)
     path = cache_dir() / "profiles" / f"sim_{device}_{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
     if path.is_file():     # said, so a calibration taken on a busy box or another day is not trusted unseen
@@ -719,6 +719,8 @@ def calibrate(cfg: dict, threads: int, where: str, sync=lambda: None, light: boo
     done("draft head forwards timed")
     sync()
     hw = _fit_engine_overheads(llm, hw, m, args.vocab_size, light, prompt_range, done)
+    llm.sleep()      # as a run's engine sleeps while its trainer steps (an awake one slows them: docs/results.md)
+    del llm
     hw = _fit_trainer(hw, m, args, device, light, prompt_range, sync, wait, done, where)
     if torch.distributed.is_initialized():
         return hw                                            # its all-reduce was timed
@@ -899,8 +901,9 @@ def _fit_trainer(hw: Hardware, m: ModelShape, args, device: str, light: bool, pr
                  done, where: str = "") -> Hardware:
     """Phase 3: trainer steps on the checkpoint's weights where `where` (its config.json) has them (a random
     init trains measurably slower on CPU: docs/results.md), timed apart: forward + backward -> train_mfu
-    (through the origin: a run's rank_time_prepare is ~0); clip + AdamW -> train_overhead_s beyond AdamW's
-    modelled traffic; the gradient all-reduce over gloo (rl/dist.all_reduce_grads) -> interconnect_bw."""
+    (the median step's, through the origin: a run's rank_time_prepare is ~0); clip + AdamW ->
+    train_overhead_s beyond AdamW's modelled traffic; the gradient all-reduce over gloo
+    (rl/dist.all_reduce_grads) -> interconnect_bw."""
     import torch
     from nanospec.models.decoder import CausalLM
     from nanospec.models.loader import load_model
@@ -939,13 +942,14 @@ def _fit_trainer(hw: Hardware, m: ModelShape, args, device: str, light: bool, pr
         opt.zero_grad(set_to_none=True)
         wait()
         return lens, t1 - t0, t3 - t2, time.perf_counter() - t3
-    train_step(8, 0)
+    sizes, seeds = ((8, 16), (1, 2)) if light else ((16, 32, 64), (1, 2, 3))
+    train_step(sizes[-1], 0)     # untimed: a process's first steps run slower than a run's (docs/results.md)
     sync()
     base = replace(hw, train_mfu=1.0, train_overhead_s=0.0)
-    steps = [train_step(n, seed) for n in ((8, 16) if light else (16, 32, 64)) for seed in ((1,) if light else (1, 2, 3))]
+    steps = [train_step(n, seed) for n in sizes for seed in seeds]
     done(f"{len(steps)} trainer steps timed")
     flops = [train_compute(base, m, [lens], False)[0] for lens, *_ in steps]   # seconds at train_mfu 1
-    inv, = _fit_relative([[c] for c in flops], [t for _, t, _, _ in steps], [t for _, t, _, _ in steps])
+    inv = statistics.median(t / c for c, (_, t, _, _) in zip(flops, steps))   # one step alone is noisy
     adamw = update_time(hw, m.params, 1)[1]
     hw = replace(hw, train_mfu=1.0 / max(inv, 1e-12),
                  train_overhead_s=max(statistics.median(o for *_, o in steps) - adamw, 0.0))
