@@ -655,7 +655,7 @@ def calibrated(cfg: dict, threads: int, where: str, ranks: int, device: str) -> 
     print(f"simulate: calibrating {machine if device != 'cpu' else 'this CPU'} on a random "
           f"{params / 1e6:.0f}M-parameter model of this shape (the trainer on the checkpoint's weights if any) "
           f"({ranks} process(es) x {threads} thread(s), {fits_per_rank} fit(s) each; about "
-          f"{'2-3 min' if light else '1 min'} on an idle 2-core box; cached in {path})", flush=True)
+          f"{'3 min' if light else '1 min'} on an idle 2-core box; cached in {path})", flush=True)
     ctx = multiprocessing.get_context("spawn")
     queue, barrier = ctx.Queue(), ctx.Barrier(ranks)
     store = path.with_suffix(f".store{os.getpid()}")       # the ranks' gloo group (CPU): their all-reduce is timed
