@@ -213,7 +213,7 @@ class SpeculationConfig:
     head_training: str = "step"         # step: after each weight sync, on the trainer's hidden states | bubble:
                                         # in the rollout's idle time, on the engine's (TLT) | off: frozen
     head_lr: float = 3e-4
-    head_positions: int = 512           # per rank and step, at most: the head's cost stays a small share of the step
+    head_positions: int = 384           # per rank and step, at most: the head's cost stays a small share of the step
 
     def rules(self):
         c, b = self.length_classes, self.length_class_budgets
