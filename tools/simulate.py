@@ -89,9 +89,13 @@ class ModelShape:
     extra_params: int = 0             # matmul weights outside the layers (a draft head's fc)
 
     @property
+    def lm_head(self) -> int:         # the LM head's weights (a draft head's: its draft vocabulary's rows)
+        return self.vocab * self.hidden
+
+    @property
     def matmul_params(self) -> int:   # per layer: q, k, v, o + SwiGLU gate, up, down; + the LM head
         return self.layers * (self.hidden * self.head_dim * 2 * (self.heads + self.kv_heads)
-                               + 3 * self.hidden * self.ffn) + self.vocab * self.hidden + self.extra_params
+                               + 3 * self.hidden * self.ffn) + self.lm_head + self.extra_params
 
     def draft_head(self, draft_vocab: int | None = None) -> "ModelShape":
         """EAGLE's head (drafters/head.py): fc [2D -> D], one layer of this shape, the draft vocab's LM rows."""
@@ -100,7 +104,7 @@ class ModelShape:
 
     @property
     def params(self) -> int:          # + the input embedding when it is not the LM head
-        return self.matmul_params + (0 if self.tied else self.vocab * self.hidden)
+        return self.matmul_params + (0 if self.tied else self.lm_head)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -173,8 +177,7 @@ def step_time(hw: Hardware, m: ModelShape, tp: int, rows: float, tokens: float, 
         bytes = weights + (kv_read + tokens) * kv_bytes_per_token            (KV reads + writes)
     TP splits both over tp devices and adds 2 activation all-reduces per layer (ring: 2(tp-1)/tp).
     On one CPU core they add (docs/results.md, issue 48: SmolLM2's batch-1 step reads at ~6 GB/s)."""
-    lm_head = m.vocab * m.hidden
-    matmuls = (m.matmul_params - lm_head) * tokens + lm_head * (tokens if head_tokens is None else head_tokens)
+    matmuls = (m.matmul_params - m.lm_head) * tokens + m.lm_head * (tokens if head_tokens is None else head_tokens)
     compute = (2 * matmuls + m.attn_flops_per_pair * pairs) / (tp * hw.flops * hw.flops_eff)
     nbytes = m.matmul_params * m.dtype_bytes + (kv_read + tokens) * m.kv_bytes_per_token
     memory = nbytes / (tp * hw.mem_bw * hw.bw_eff)
@@ -225,7 +228,7 @@ def train_compute(hw: Hardware, m: ModelShape, seqs_per_rank: list[list[tuple[in
         [+ 2 reference]: (8 [+ 2]) * vocab * hidden * b * T"""
     from types import SimpleNamespace
     from nanospec.rl.grpo import micro_batches
-    head = m.vocab * m.hidden
+    head = m.lm_head
     body = m.matmul_params - head
 
     def flops(seqs):
@@ -248,7 +251,7 @@ def head_train_time(hw: Hardware, head: ModelShape, st: dict, mode: str = "step"
     rows are the policy's). "bubble": the passes ran in idle time, only the update is paid; "off": frozen, 0."""
     from nanospec.drafters.head import UNROLL
     ranks = max(len(st["measured"].get("rank_busy_time") or [1]), 1)
-    body, rows = head.matmul_params - head.vocab * head.hidden, head.vocab * head.hidden
+    body, rows = head.matmul_params - head.lm_head, head.lm_head
     update = sum(update_time(hw, body, ranks))
     if mode != "step":
         return update if mode == "bubble" else 0.0
@@ -278,7 +281,7 @@ def memory_rows(m: ModelShape, ranks: int, kv_tokens: int, device_bytes: float) 
     `kv_tokens` of KV. Gradients live only in training, the KV pool only in rollout, and sleep level 2
     frees the engine's weights in training: peak = max(training, rollout); activations (per micro-batch) left out."""
     P, G = m.params, 1024 ** 3
-    layer = (m.matmul_params - m.vocab * m.hidden) / m.layers * m.dtype_bytes
+    layer = (m.matmul_params - m.lm_head) / m.layers * m.dtype_bytes
     engine, kv = P * m.dtype_bytes, kv_tokens * m.kv_bytes_per_token
     rows = []
     for sharding, sleep in (("none", 1), ("fsdp", 1), ("fsdp", 2)):
