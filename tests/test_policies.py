@@ -435,26 +435,52 @@ def test_a_declined_step_is_decided_from_the_rows_largest_and_summed_worth(monke
         return verdicts[-1]
 
     for _ in range(300):
-        kv, confident = rng.random() < 0.5, rng.random() < 0.5
-        per_row = rng.uniform(0.01, 0.05)          # a verified token costs 0-2 of a row's decode
-        kw = dict(coef=[10 ** rng.uniform(-4, 0), per_row, rng.uniform(0, 2) * per_row, rng.uniform(0, 1e-3), 0,
-                        rng.uniform(0, 0.05)], draft_forward=10 ** rng.uniform(-3, 0) if kv else None,
-                  confident_sources=["d"] if confident else (), probe_every=rng.choice([1, 8]))
-        left = rng.randint(1, 300) if rng.random() < 0.5 else None     # None: ragged rows, else level ones
-        rows = [Row(length=n, completion=3, max_tokens=3 + (left or rng.randint(1, 300)), lag=rng.randint(1, 3))
-                for n in (rng.randint(4, 60) for _ in range(rng.randint(1, 64)))]
-        bad, rate, draft_time = rng.random() < 0.5, rng.random(), 10 ** rng.uniform(-4, -1)
-        seen = [0 if bad else 4 if rng.random() < rate else 1 for _ in range(rng.randint(0, 60))]   # accepted of 4
-        answers = []
-        for verdict in (counted, lambda *a: False):
-            monkeypatch.setattr(DraftController, "_uniform_declines", verdict)
-            c = controller(**kw)
-            c.draft_time = draft_time
-            for a in seen:
-                c.observe_acceptance("d", 4, a, [0.9] * 4 if confident else None)
-            answers.append([(c.budgets(rows, 4), {n: list(g) for n, g in c._gap.items()}) for _ in range(3)])
+        answers = _random_steps(rng, monkeypatch, "_uniform_declines", (counted, lambda *a: False))
         assert answers[0] == answers[1]
     assert verdicts.count(True) > 100 and verdicts.count(False) > 100    # both ways, many times
+
+
+def test_a_due_probe_is_declined_from_a_bound_without_the_solve_at_acceptance_1(monkeypatch):
+    """A due probe that cannot pay for itself is declined from an O(B) bound on the acceptance-1 plan's
+    V / T, before its sort of every gain: on random steps every answer and probe gap is what the solve
+    gives, and the solve, where the bound declined, declines too."""
+    rng, real, solve, verdicts = random.Random(2), DraftController._probe_declines, DraftController._solve, []
+
+    def counted(self, st, caps, fixed, cost, budget):
+        verdicts.append(real(self, st, caps, fixed, cost, budget))
+        keep, s1 = solve(self, st, [[1.0] * k for k in caps], fixed, self._draft_cost(st, "d", len(caps))[1])
+        assert not verdicts[-1] or not any(keep) or cost > (1 - 1 / s1) * budget
+        return verdicts[-1]
+
+    for _ in range(1000):
+        answers = _random_steps(rng, monkeypatch, "_probe_declines", (counted, lambda *a: False))
+        assert answers[0] == answers[1]
+    assert verdicts.count(True) > 20 and verdicts.count(False) > 100    # both ways, many times
+
+
+def _random_steps(rng, monkeypatch, method: str, variants) -> list:
+    """One random controller (rate or confident source, history or model drafter, level or ragged rows)
+    and its record, run once per variant of DraftController.`method`: -> per variant, 3 steps' budgets
+    and probe gaps."""
+    kv, confident = rng.random() < 0.5, rng.random() < 0.5
+    per_row = rng.uniform(0.01, 0.05)          # a verified token costs 0-2 of a row's decode
+    kw = dict(coef=[10 ** rng.uniform(-4, 0), per_row, rng.uniform(0, 2) * per_row, rng.uniform(0, 1e-3), 0,
+                    rng.uniform(0, 0.05)], draft_forward=10 ** rng.uniform(-3, 0) if kv else None,
+              confident_sources=["d"] if confident else (), probe_every=rng.choice([1, 8]))
+    left = rng.randint(1, 300) if rng.random() < 0.5 else None     # None: ragged rows, else level ones
+    rows = [Row(length=n, completion=3, max_tokens=3 + (left or rng.randint(1, 300)), lag=rng.randint(1, 3))
+            for n in (rng.randint(4, 60) for _ in range(rng.randint(1, 64)))]
+    bad, rate, draft_time = rng.random() < 0.5, rng.random(), 10 ** rng.uniform(-4, -1)
+    seen = [0 if bad else 4 if rng.random() < rate else 1 for _ in range(rng.randint(0, 60))]   # accepted of 4
+    answers = []
+    for variant in variants:
+        monkeypatch.setattr(DraftController, method, variant)
+        c = controller(**kw)
+        c.draft_time = draft_time
+        for a in seen:
+            c.observe_acceptance("d", 4, a, [0.9] * 4 if confident else None)
+        answers.append([(c.budgets(rows, 4), {n: list(g) for n, g in c._gap.items()}) for _ in range(3)])
+    return answers
 
 
 def test_a_model_drafter_pays_per_draft_position_which_shortens_its_drafts():

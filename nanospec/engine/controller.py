@@ -49,6 +49,7 @@ Sources: EfficientRollout (toggle, adaptive length); DAS (length budgets); Levia
 from __future__ import annotations
 
 import bisect
+import heapq
 import itertools
 import math
 import operator
@@ -325,8 +326,8 @@ class DraftController:
     def _probe(self, st: dict, source: str, seqs, caps: list[int], lags: list[int], gap: list[int]) -> list[int]:
         """An off source's probe rows (k per row), or all 0: see the module docstring."""
         kv, worth = source in self.kv_sources, st["worth"]    # the rows whose tokens are worth the most
-        rows = [i for i in sorted(range(len(seqs)), key=lambda i: -worth[i])   # (those the batch waits for)
-                if caps[i] and (not kv or lags[i] <= 2)][:self.probe_rows]
+        rows = heapq.nsmallest(self.probe_rows, (i for i in range(len(seqs))  # (those the batch waits for)
+                                                 if caps[i] and (not kv or lags[i] <= 2)), key=lambda i: -worth[i])
         if not rows:
             return [0] * len(seqs)
         k = min(2, *(caps[i] for i in rows))
@@ -335,13 +336,26 @@ class DraftController:
         budget = self.probe_fraction * st["left"] / st["B"] * st["t_ar"]    # x (1 - 1 / s1) below, s1 > 1
         if cost > budget:        # unaffordable whatever s1, so skip the solve
             return [0] * len(seqs)
-        ones = [[1.0] * k for k in caps]
-        keep, s1 = self._solve(st, ones, *self._draft_cost(st, source, len(seqs)))      # acceptance 1
+        fixed, per_forward = self._draft_cost(st, source, len(seqs))
+        if self._probe_declines(st, caps, fixed, cost, budget):      # whatever the solve below finds
+            return [0] * len(seqs)
+        keep, s1 = self._solve(st, [[1.0] * k for k in caps], fixed, per_forward)      # acceptance 1
         if not any(keep) or cost > (1 - 1 / s1) * budget:
             return [0] * len(seqs)
         gap[:] = [0, min(2 * gap[1], self.probe_every_max)]
         st["probing"][source] = k                            # tokens a probe row keeps (`clip`)
         return [k if i in rows else 0 for i in range(len(seqs))]
+
+    def _probe_declines(self, st: dict, caps: list[int], fixed: float, cost: float, budget: float) -> bool:
+        """True where `_probe`'s test fails for every plan, so the solve at acceptance 1 (a sort of every
+        row's gains, on every step a probe is due and declined) is not needed. Its n largest gains give
+        V / T <= (t_ar + min(n g, G)) / (T0 + n c), g the largest gain, G their sum, largest at n = 0 or
+        n = G / g; plain's V / T is 1. 1e-9: float sums in another order."""
+        s, T0 = self.min_speedup, st["t_ar"] + st["v"] + fixed
+        g = max((w for w, k in zip(st["worth"], caps) if k), default=0.0) / s
+        G = sum(w * k for w, k in zip(st["worth"], caps) if w > 0) / s
+        s1 = max(1.0, (st["t_ar"] + G) / (T0 + G / g * st["c"]) if g > 0 else 0.0)
+        return cost > (1 - 1 / (s1 * (1 + 1e-9))) * budget
 
     def keeps_draft_kv(self, ctx_len: float, max_k: int) -> bool:
         """Should a drafter with its own KV prefill new prompts? Not where it could not pay for a lone
