@@ -309,12 +309,15 @@ class LLM:
         for s, b in zip(seqs, ends):
             s.num_computed = b
         finished = []
-        if fresh:    # logits at the last prompt token and at each draft: [F, K+1, V] (short rows repeat their last)
-            K = max(map(len, proposal.tokens))
-            pos = torch.tensor([[min(ends[i] - starts[i] - 1 + j, len(tokens[i]) - 1) for j in range(K + 1)]
-                                for i in fresh], device=self.device)
-            logits = self.model.logits(hidden[torch.tensor(fresh, device=self.device).unsqueeze(1), pos])
-            finished = self._verify_and_append([seqs[i] for i in fresh], logits, proposal)
+        if fresh:    # logits at each fresh row's last prompt token and its drafts, packed as in `_decode`
+            K, rows, cols, index = max(map(len, proposal.tokens)), [], [], []
+            for i, d in zip(fresh, proposal.tokens):
+                last = ends[i] - starts[i] - 1
+                index.append([len(rows) + min(j, len(d)) for j in range(K + 1)])
+                rows, cols = rows + [i] * (len(d) + 1), cols + [*range(last, last + len(d) + 1)]
+            at = lambda x: torch.tensor(x, device=self.device)
+            logits = self.model.logits(hidden[at(rows), at(cols)])                       # [N, V]
+            finished = self._verify_and_append([seqs[i] for i in fresh], logits, proposal, at(index))
         self.seconds["prefill"] += time.perf_counter() - t0
         if self.controller is not None:     # a step like any other: it closes what budgets() opened
             self.controller.observe_forward(seqs, tokens, time.perf_counter() - t0, prefill=True)
