@@ -179,16 +179,20 @@ def test_greedy_speculation_up_to_max_model_len(greedy_model):
 
 def test_speculative_prefill_verifies_the_opening_in_the_prefill_forward(greedy_model):
     """A fresh prompt's drafts ride in its prefill: with the greedy answers cached, the prefill step
-    alone emits num_draft_tokens + 1 tokens per prompt, the ones AR emits, logprobs included."""
+    alone emits num_draft_tokens + 1 tokens per prompt, the ones AR emits, logprobs included; prompts
+    with a shorter cached opening, or none, draft fewer in the same forward (packed logits: the LM head
+    and the verify see each row's real positions only)."""
     prompts = repetitive_prompts(4, seed=3)
     params = SamplingParams(temperature=0.0, max_tokens=20)
     ar = LLM(greedy_model, block_size=4, max_model_len=64).generate(prompts, params, use_tqdm=False)
     llm = LLM(greedy_model, block_size=4, max_model_len=64, controller=None, speculative={"method": "prior", "num_draft_tokens": 5})
-    for p, o in zip(prompts, ar):
-        llm.drafter.add(tuple(p), o.token_ids)
+    cached = (20, 0, 2, 20)                                              # tokens of each answer cached
+    for p, o, n in zip(prompts, ar, cached):
+        if n:
+            llm.drafter.add(tuple(p), o.token_ids[:n])
     seqs = [s for i, p in enumerate(prompts) for s in llm.add_request(p, params, i)]
     assert llm.step() == [] and llm.stats["target_forwards"] == 1       # the prefill
-    assert [s.completion_token_ids for s in seqs] == [o.token_ids[:6] for o in ar]
+    assert [s.completion_token_ids for s in seqs] == [o.token_ids[:1 + min(n, 5)] for o, n in zip(ar, cached)]
     while llm.scheduler.has_work():
         llm.step()
     for s, o in zip(seqs, ar):

@@ -348,9 +348,10 @@ class DraftController:
 
     def _probe_declines(self, st: dict, caps: list[int], fixed: float, cost: float, budget: float) -> bool:
         """True where `_probe`'s test fails for every plan, so the solve at acceptance 1 (a sort of every
-        row's gains, on every step a probe is due and declined) is not needed. Its n largest gains give
-        V / T <= (t_ar + min(n g, G)) / (T0 + n c), g the largest gain, G their sum, largest at n = 0 or
-        n = G / g; plain's V / T is 1. 1e-9: float sums in another order."""
+        row's gains, on every step a probe is due and declined) is not needed. At acceptance 1 a plan's n
+        largest gains give V / T <= (t_ar + min(n g, G)) / (T0 + n c), g the largest gain, G their sum,
+        largest at n = 0 (<= 1: drafting costs >= 0) or n = G / g; plain's V / T is 1. 1e-9: float sums
+        in another order."""
         s, T0 = self.min_speedup, st["t_ar"] + st["v"] + fixed
         g = max((w for w, k in zip(st["worth"], caps) if k), default=0.0) / s
         G = sum(w * k for w, k in zip(st["worth"], caps) if w > 0) / s

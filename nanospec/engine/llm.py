@@ -309,15 +309,10 @@ class LLM:
         for s, b in zip(seqs, ends):
             s.num_computed = b
         finished = []
-        if fresh:    # logits at each fresh row's last prompt token and its drafts, packed as in `_decode`
-            K, rows, cols, index = max(map(len, proposal.tokens)), [], [], []
-            for i, d in zip(fresh, proposal.tokens):
-                last = ends[i] - starts[i] - 1
-                index.append([len(rows) + min(j, len(d)) for j in range(K + 1)])
-                rows, cols = rows + [i] * (len(d) + 1), cols + [*range(last, last + len(d) + 1)]
-            at = lambda x: torch.tensor(x, device=self.device)
-            logits = self.model.logits(hidden[at(rows), at(cols)])                       # [N, V]
-            finished = self._verify_and_append([seqs[i] for i in fresh], logits, proposal, at(index))
+        if fresh:    # logits at each fresh row's last prompt token and at its drafts
+            logits, index = self._logits_at(hidden, [(i, ends[i] - starts[i] - 1, len(d) + 1)
+                                                     for i, d in zip(fresh, proposal.tokens)])
+            finished = self._verify_and_append([seqs[i] for i in fresh], logits, proposal, index)
         self.seconds["prefill"] += time.perf_counter() - t0
         if self.controller is not None:     # a step like any other: it closes what budgets() opened
             self.controller.observe_forward(seqs, tokens, time.perf_counter() - t0, prefill=True)
@@ -328,17 +323,10 @@ class LLM:
         tokens = [[s.last_token] + d for s, d in zip(seqs, proposal.tokens)]
         t0 = time.perf_counter()
         hidden = self.runner.forward(seqs, tokens, [len(s) - 1 for s in seqs])   # [B, K+1, D]
-        # the LM head and the sampler see only the N real positions: a ragged verify (a few rows with
-        # drafts) costs its real tokens, not B * (K+1) -- the latency model prices it that way
-        Q, flat, index = hidden.shape[1], [], []
-        for b, t in enumerate(tokens):
-            index.append([len(flat) + min(j, len(t) - 1) for j in range(Q)])
-            flat.extend(range(b * Q, b * Q + len(t)))
-        flat = torch.tensor(flat, device=self.device)
-        logits = self.model.logits(hidden.flatten(0, 1).index_select(0, flat))   # [N, V]
+        logits, index = self._logits_at(hidden, [(b, 0, len(t)) for b, t in enumerate(tokens)])
         self.stats["target_forwards"] += 1
         starts = [len(s) - 1 for s in seqs]
-        finished = self._verify_and_append(seqs, logits, proposal, torch.tensor(index, device=self.device))
+        finished = self._verify_and_append(seqs, logits, proposal, index)
         t1 = time.perf_counter()
         self.seconds["decode"] += t1 - t0
         if self.speculate and self.drafter is not None and self.drafter.wants_hidden:   # a draft head's inputs:
@@ -347,6 +335,18 @@ class LLM:
         if self.controller is not None:
             self.controller.observe_forward(seqs, tokens, time.perf_counter() - t0)
         return finished
+
+    def _logits_at(self, hidden: torch.Tensor, spans: list[tuple[int, int, int]]):
+        """The LM head at the real positions only: span (b, a, n) is row b's positions a .. a+n-1 of hidden
+        [B, Q, D]. A ragged verify (a few rows with drafts) then costs its real tokens, not B * (K+1), as
+        the latency model prices it. -> logits [N, V] and index [spans, K+1] naming span i's j-th logits
+        row (its last repeated), as verify.verify takes them."""
+        Q, K1, flat, index = hidden.shape[1], max(n for *_, n in spans), [], []
+        for b, a, n in spans:
+            index.append([len(flat) + min(j, n - 1) for j in range(K1)])
+            flat.extend(range(b * Q + a, b * Q + a + n))
+        flat = torch.tensor(flat, device=self.device)
+        return self.model.logits(hidden.flatten(0, 1).index_select(0, flat)), torch.tensor(index, device=self.device)
 
     def _propose(self, seqs: list[Sequence]) -> Proposal:
         empty = Proposal([[] for _ in seqs])
