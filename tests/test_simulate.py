@@ -185,6 +185,21 @@ def test_a_replayed_head_is_priced():
     assert sim.run_head(cfg, m).vocab == 512 and sim.run_head({"rollout": {"speculative": None}}, m) is None
 
 
+def test_a_drafting_head_pays_per_row_and_per_key_its_prompt_forward_per_forward_only():
+    """The calibration's fit of HeadDrafter.propose (tools.simulate.head_overhead): a + B (b + c C) a forward.
+    A drafting step's head forwards pay all three (their draws, the q handed to verify, the KV gather of
+    short rows); the head's forward over a prompt (no draw) pays the per-forward part only."""
+    m = shape()
+    spec = sim.Spec(head=m.draft_head(), head_use=(0.5, 3.0, 4.0))     # half the steps, 3 forwards of 4 rows
+    base = clock(step=0.0)
+    priced = sim.replace(base, draft_step_overhead_s=0.01, draft_row_s=0.002, draft_key_s=1e-5)
+    C = 100.0
+    extra = spec.drafting_time(priced, 8, C, 1.0, 0.0) - spec.drafting_time(base, 8, C, 1.0, 0.0)
+    assert extra == pytest.approx(0.5 * 3 * (0.01 + 4 * (0.002 + 1e-5 * C)))
+    prompt = spec.head_prefill_time(priced, [40, 40], [0, 0]) - spec.head_prefill_time(base, [40, 40], [0, 0])
+    assert prompt == pytest.approx(0.01)
+
+
 def test_the_head_step_is_priced_by_where_it_learns():
     # step: its passes over the positions it learned from, then the gradient all-reduce and AdamW over
     # its own weights (fc + layer, not the LM rows); bubble: the passes ran in the idle time; off: nothing

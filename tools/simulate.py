@@ -58,6 +58,8 @@ class Hardware:
     train_overhead_s: float = 0.0     # per optimizer step outside the FLOPs (rewards, batching, launches)
     draft_token_s: float = 0.0        # a history drafter's host time per token its rows emit (propose())
     draft_step_overhead_s: float = 0.0  # a draft head's host time per forward (one per draft position)
+    draft_row_s: float = 0.0          # ... and per row it drafts (its draw, the q handed to verify)
+    draft_key_s: float = 0.0          # ... and per cached key a row reads beyond the roofline (its KV gather)
     repack_s_per_param: float = 0.0   # CPU: the first engine step after a weight update re-lays out every linear
     overlap: bool = True              # compute and memory traffic overlap (GPU); False: they add (one CPU core)
     padded: bool = True               # attention padded to a step's longest row (nanospec's engine); False: varlen
@@ -349,7 +351,8 @@ class Spec:
         share, k, rows = (1.0, q - 1, B) if self.best_k and self.head else self.head_use
         head = 0.0
         if self.head is not None and share and k > 0:
-            head = share * (k * step_time(self._eager(hw), self.head, 1, rows, rows, rows * C, rows * C))
+            eager = replace(self._eager(hw), seq_overhead_s=hw.draft_row_s + hw.draft_key_s * C)
+            head = share * (k * step_time(eager, self.head, 1, rows, rows, rows * C, rows * C))
         return self.history_time(hw, emitted) + head
 
     def head_prefill_time(self, hw: Hardware, qs: list, ctx: list) -> float:
@@ -359,7 +362,7 @@ class Spec:
 
     @staticmethod
     def _eager(hw: Hardware) -> Hardware:
-        """A head's forward: its own host time per forward (`draft_step_overhead_s`), none per row."""
+        """A head's forward: its own host time per forward (`draft_step_overhead_s`); per row where it drafts."""
         return replace(hw, step_overhead_s=hw.draft_step_overhead_s, seq_overhead_s=0.0, verify_overhead_s=0.0)
 
     def history_time(self, hw: Hardware, emitted: float) -> float:
@@ -640,7 +643,7 @@ def calibrated(cfg: dict, threads: int, where: str, ranks: int, device: str) -> 
     names = [ln.split(":", 1)[1].strip() for ln in (info.read_text().splitlines() if info.is_file() else [])
              if ln.startswith("model name")]
     machine = torch.cuda.get_device_name(0) if device != "cpu" else (names or [platform.processor()])[0]
-    key = json.dumps([cfg, threads, ranks, machine, os.cpu_count(), torch.__version__, 25]
+    key = json.dumps([cfg, threads, ranks, machine, os.cpu_count(), torch.__version__, 26]
                      + [device] * (device != "cpu"), sort_keys=True, default=str)
     path = cache_dir() / "profiles" / f"sim_{device}_{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
     if path.is_file():     # said, so a calibration taken on a busy box or another day is not trusted unseen
@@ -718,8 +721,8 @@ def calibrate(cfg: dict, threads: int, where: str, sync=lambda: None, light: boo
     hw = _fit_wide(llm, m, _fit_roofline(llm, m, maxlen, med, light, gpu, sync, done), light, prompt_range, done)
     if not gpu:
         hw = replace(hw, repack_s_per_param=repack_time(llm, med) / m.matmul_params)
-    hw = replace(hw, draft_step_overhead_s=head_overhead(llm, m, hw, maxlen, med, 1 if light else 3))
-    done("draft head forwards timed")
+    hw = replace(hw, **head_overhead(llm, m, hw, maxlen, med, 1 if light else 3))
+    done("draft head's drafting timed")
     sync()
     hw = _fit_engine_overheads(llm, hw, m, args.vocab_size, light, prompt_range, done)
     llm.sleep()      # as a run's engine sleeps while its trainer steps (an awake one slows them: docs/results.md)
@@ -962,25 +965,55 @@ def _fit_trainer(hw: Hardware, m: ModelShape, args, device: str, light: bool, pr
     return hw
 
 
-def head_overhead(llm, m: ModelShape, hw: Hardware, maxlen: int, med, reps: int) -> float:
-    """A fresh draft head's host time per forward beyond its roofline: the median residual of
-    LLM.time_forward at B in {1, 16}, C in {16, maxlen / 2}, at `make head`'s draft vocabulary of 4,096
-    (a full LM head would leave a residual the roofline prices short, not host time)."""
+def head_overhead(llm, m: ModelShape, hw: Hardware, maxlen: int, med, reps: int) -> dict:
+    """A fresh draft head's drafting time beyond its roofline, per forward: HeadDrafter.propose of K
+    tokens on B scratch rows of C cached tokens (the catch-up forward of the last accepted position, K - 1
+    more, K draws at T=0.7 and the q [B, K, V] it hands to verify), at `make head`'s draft vocabulary of
+    4,096, B in {1, 16}, C in {16, maxlen / 2}. The residual per forward, fitted as a + B (b + c C) by least
+    squares, is its host time per forward, per row it drafts (the draw, q), per key a row reads (the KV
+    gather of short rows, slower than the roofline's bandwidth)."""
     import warnings
+    import numpy as np
+    import torch
     from nanospec.drafters.base import DraftTarget
     from nanospec.drafters.head import head_drafter
+    from nanospec.engine.sequence import SamplingParams, Sequence
     target = DraftTarget(llm.model, llm.vocab_size, llm.blocks.num_blocks, llm.blocks.block_size, llm.device)
-    vocab = min(llm.vocab_size, 4096)
+    vocab, K = min(llm.vocab_size, 4096), 4
+    wait = torch.cuda.synchronize if llm.device.type == "cuda" else (lambda: None)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")              # "freshly initialised": as intended
         head = head_drafter(target, draft_vocab=vocab)
     roof = replace(hw, step_overhead_s=0.0, seq_overhead_s=0.0, verify_overhead_s=0.0)
 
-    def rest(B: int, C: int) -> float:
-        llm.time_forward(B, C, 1, head)     # oneDNN builds kernels on a shape's first call: 25-30 ms here
-        return med(lambda: llm.time_forward(B, C, 1, head), reps) - step_time(roof, m.draft_head(vocab), 1, B, B,
-                                                                               B * C, B * C)
-    return max(statistics.median(rest(B, C) for B in (1, 16) for C in (16, maxlen // 2)), 0.0)
+    def propose(B: int, C: int) -> float:
+        seqs = [Sequence([1] * C, SamplingParams(temperature=0.7)) for _ in range(B)]
+        try:
+            if not all(llm.blocks.ensure(s, C + 1 + K) for s in seqs):
+                raise RuntimeError(f"head_overhead: not enough free KV blocks for B={B}, C={C}")
+            head.runner.zero_new_blocks(seqs)
+            hidden = torch.randn(B, C, m.hidden, dtype=next(llm.model.parameters()).dtype, device=llm.device)
+            head.prefill(seqs, [[1] * C] * B, [0] * B, hidden)     # the head has fed positions 0 .. C-2
+            for s in seqs:
+                s.token_ids.append(1)                              # a verify accepted position C-1's successor
+            wait()
+            t0 = time.perf_counter()
+            head.propose(seqs, [K] * B)
+            wait()
+            return time.perf_counter() - t0
+        finally:
+            for s in seqs:
+                llm.blocks.free(s)
+                head.free(s)
+
+    fits = []
+    for B in (1, 16):
+        for C in (16, maxlen // 2):
+            propose(B, C)     # oneDNN builds kernels on a shape's first call: 25-30 ms here
+            rest = med(lambda: propose(B, C), reps) / K - step_time(roof, m.draft_head(vocab), 1, B, B, B * C, B * C)
+            fits.append(([1.0, B, B * C], rest))
+    abc = np.linalg.lstsq(np.array([x for x, _ in fits]), np.array([r for _, r in fits]), rcond=None)[0]
+    return {name: float(max(x, 0.0)) for name, x in zip(("draft_step_overhead_s", "draft_row_s", "draft_key_s"), abc)}
 
 
 # ---- command line -----------------------------------------------------------------------------------------------
