@@ -92,7 +92,8 @@ class ModelDrafter(Drafter):
         st = SamplingTensors.from_params([s.params for s in seqs], self.vocab_size, self.device)
         q = sampler.probs(logits.unsqueeze(1), st).squeeze(1)
         u = (1.0 - torch.rand(len(seqs), generator=self.generator)).to(self.device)        # (0, 1]
-        return q, torch.where(st.greedy, logits.argmax(-1), sampler.sample(q, u))
+        d = sampler.sample(q, u)
+        return q, torch.where(st.greedy, logits.max(-1).indices, d) if st.any_greedy else d   # (verify.py: max)
 
     @torch.no_grad()
     def refresh(self, model: nn.Module) -> None:

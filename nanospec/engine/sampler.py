@@ -29,6 +29,7 @@ class SamplingTensors:
     top_p: torch.Tensor         # [B] float
     needs_filter: bool          # any row with top-k/top-p active (skips the sort otherwise)
     all_greedy: bool = False    # every row T = 0 (verify then needs argmax only)
+    any_greedy: bool = False    # some row T = 0 (else verify needs no argmax)
 
     @classmethod
     def from_params(cls, params: list[SamplingParams], vocab_size: int, device) -> "SamplingTensors":
@@ -37,7 +38,7 @@ class SamplingTensors:
             top_k=torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p in params], device=device),
             top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
             needs_filter=any(p.top_k > 0 or p.top_p < 1.0 for p in params),
-            all_greedy=all(p.temperature == 0 for p in params))
+            all_greedy=all(p.temperature == 0 for p in params), any_greedy=any(p.temperature == 0 for p in params))
 
     @property
     def greedy(self) -> torch.Tensor:
@@ -46,7 +47,7 @@ class SamplingTensors:
     def rows(self, index: torch.Tensor) -> "SamplingTensors":
         """The settings of rows `index` ([N]): one entry per packed logits row (verify.verify)."""
         return SamplingTensors(self.temperature[index], self.top_k[index], self.top_p[index],
-                               self.needs_filter, self.all_greedy)
+                               self.needs_filter, self.all_greedy, self.any_greedy)
 
 
 def _per_row(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -46,7 +46,8 @@ def verify(logits: torch.Tensor, draft: torch.Tensor, num_draft: torch.Tensor, s
     owner = torch.zeros(logits.shape[0], dtype=torch.long, device=dev).scatter_(
         0, index.flatten(), torch.arange(B, device=dev).repeat_interleave(K + 1))   # [N] its sequence
     st_n = st.rows(owner)
-    top = logits.argmax(-1)                                                # [N]
+    # [N] greedy rows' tokens: max's indices are argmax's (first of ties), in a third of its time on CPU
+    top = logits.max(-1).indices if st.any_greedy else None
     rows = torch.arange(B, device=dev)
     if st.all_greedy:
         # accept while d_j == argmax, emit the argmax: no softmax / sort / inverse-CDF sampling
@@ -61,7 +62,8 @@ def verify(logits: torch.Tensor, draft: torch.Tensor, num_draft: torch.Tensor, s
         if lenient_q is not None:
             q_d = torch.where(lenient, lenient_q, q_d)
         accept = u_accept * q_d <= p_d          # u <= p/q, no division; u in (0, 1]: p = 0 never passes
-        accept = torch.where(st.greedy.unsqueeze(-1), draft == top[index[:, :K]], accept)
+        if st.any_greedy:
+            accept = torch.where(st.greedy.unsqueeze(-1), draft == top[index[:, :K]], accept)
         n = _leading(accept, num_draft)                                    # [B] leading accepts
         p_n = p[index[rows, n]]                                            # [B, V]
         if K > 0:
@@ -74,7 +76,9 @@ def verify(logits: torch.Tensor, draft: torch.Tensor, num_draft: torch.Tensor, s
             ok = rejected & (residual.sum(-1) > 0)     # sum 0 only if p == q, where rejection has prob 0
             ok &= ~lenient[rows, j]                    # LOSSY rule resamples from p after a rejection
             p_n = torch.where(ok.unsqueeze(-1), residual, p_n)
-        final = torch.where(st.greedy, top[index[rows, n]], sampler.sample(p_n, u_final))
+        final = sampler.sample(p_n, u_final)
+        if st.any_greedy:
+            final = torch.where(st.greedy, top[index[rows, n]], final)
     tokens = F.pad(draft, (0, 1))
     tokens[rows, n] = final
     # reported logprobs: log_softmax(logits / T)[token], one logsumexp per real position (sampler.py)
