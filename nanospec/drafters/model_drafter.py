@@ -93,7 +93,7 @@ class ModelDrafter(Drafter):
         q = sampler.probs(logits.unsqueeze(1), st).squeeze(1)
         u = (1.0 - torch.rand(len(seqs), generator=self.generator)).to(self.device)        # (0, 1]
         d = sampler.sample(q, u)
-        return q, torch.where(st.greedy, logits.max(-1).indices, d) if st.any_greedy else d   # (verify.py: max)
+        return q, torch.where(st.greedy, logits.max(-1).indices, d) if st.any_greedy else d   # argmax (verify.py)
 
     @torch.no_grad()
     def refresh(self, model: nn.Module) -> None:
