@@ -351,7 +351,7 @@ class Spec:
         share, k, rows = (1.0, q - 1, B) if self.best_k and self.head else self.head_use
         head = 0.0
         if self.head is not None and share and k > 0:
-            eager = replace(self._eager(hw), seq_overhead_s=hw.draft_row_s + hw.draft_key_s * C)
+            eager = self._eager(hw, row_s=hw.draft_row_s + hw.draft_key_s * C)
             head = share * (k * step_time(eager, self.head, 1, rows, rows, rows * C, rows * C))
         return self.history_time(hw, emitted) + head
 
@@ -361,9 +361,10 @@ class Spec:
         return 0.0 if self.head is None else engine_step(self._eager(hw), self.head, 1, qs, ctx, head_tokens=0)
 
     @staticmethod
-    def _eager(hw: Hardware) -> Hardware:
-        """A head's forward: its own host time per forward (`draft_step_overhead_s`); per row where it drafts."""
-        return replace(hw, step_overhead_s=hw.draft_step_overhead_s, seq_overhead_s=0.0, verify_overhead_s=0.0)
+    def _eager(hw: Hardware, row_s: float = 0.0) -> Hardware:
+        """A head's forward: its own host time per forward (`draft_step_overhead_s`), and `row_s` per row
+        (where it drafts: `drafting_time`; a prompt's forward has none)."""
+        return replace(hw, step_overhead_s=hw.draft_step_overhead_s, seq_overhead_s=row_s, verify_overhead_s=0.0)
 
     def history_time(self, hw: Hardware, emitted: float) -> float:
         """The history drafters' host time for `emitted` tokens (prefill's first tokens included)."""
