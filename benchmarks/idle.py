@@ -22,6 +22,7 @@ import torch
 from benchmarks.engine import tiny_llama
 from benchmarks.real import lockstep
 from nanospec import LLM, SamplingParams
+from nanospec.engine.llm import frozen_heap
 
 SPEC = [{"method": "prior"}, {"method": "suffix"}]
 
@@ -36,7 +37,8 @@ def passes(engines: dict, batches, params: SamplingParams) -> dict:
             for i, prompt in enumerate(prompts):
                 llm.add_request(prompt, params, i)     # (its history's key: the prompt's ids)
         order = list(engines) if p % 2 else list(engines)[::-1]
-        took = lockstep({name: engines[name] for name in order})
+        with frozen_heap(collect=False):        # as in `LLM.generate`, which these passes step through
+            took = lockstep({name: engines[name] for name in order})
         for llm in engines.values():
             if llm.drafter is not None:
                 llm.drafter.next_step()

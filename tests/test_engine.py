@@ -239,6 +239,22 @@ def test_frozen_heap_keeps_collections_off_the_startup_heap_for_one_run():
     with pytest.raises(RuntimeError), frozen_heap():
         raise RuntimeError("a failed run")
     assert gc.get_freeze_count() == 0
+    with frozen_heap():
+        with frozen_heap(collect=False):     # `generate` inside the trainer's run: leaves its heap frozen
+            pass
+        assert gc.get_freeze_count() > 1000
+    assert gc.get_freeze_count() == 0
+
+
+def test_generate_steps_on_a_frozen_heap(models):
+    """`LLM.generate` steps inside `frozen_heap` (a suffix trie's nodes set off no full pass over the
+    process's heap), and leaves the heap unfrozen."""
+    import gc
+    llm = LLM(models["llama"], block_size=4, max_model_len=64)
+    frozen, step = [], llm.step
+    llm.step = lambda: frozen.append(gc.get_freeze_count()) or step()
+    llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
+    assert frozen and min(frozen) > 1000 and gc.get_freeze_count() == 0
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])

@@ -98,14 +98,20 @@ class RequestOutput:
 
 
 @contextlib.contextmanager
-def frozen_heap():
+def frozen_heap(collect: bool = True):
     """Keep the garbage collector off every object alive when a run starts (gc.freeze; vLLM freezes
     its heap once warmed up), until it ends. Why: a full collection walks every tracked object (the
     model's modules, the tokenizer, torch: hundreds of thousands), and the suffix trie's new nodes set
     one off every few rollouts, as a pause of a fifth of a second inside whichever engine step
     allocated last. Frozen, it walks only what the run made since (docs/notebook.md). Unfrozen at the
-    end, so a process that makes many runs (the tests) frees the old ones' reference cycles as before."""
-    gc.collect()
+    end, so a process that makes many runs (the tests) frees the old ones' reference cycles as before.
+    Inside a frozen run (`generate` in the trainer's) it does nothing. collect=False (each `generate`
+    call) skips the full pass before freezing: it costs one of the pauses it avoids."""
+    if gc.get_freeze_count():
+        yield
+        return
+    if collect:
+        gc.collect()
     gc.freeze()
     try:
         yield
@@ -252,8 +258,9 @@ class LLM:
         bar = tqdm(total=len(seqs), disable=not use_tqdm, desc="generate", leave=False)
         self.speculate, speculate = speculate, self.speculate
         try:
-            while self.scheduler.has_work():
-                bar.update(len(self.step()))
+            with frozen_heap(collect=False):
+                while self.scheduler.has_work():
+                    bar.update(len(self.step()))
         finally:
             self.speculate = speculate
             bar.close()
