@@ -255,11 +255,13 @@ class HeadDrafter(ModelDrafter):
         for j in range(K):
             if not rows:
                 break
-            # q over the draft vocabulary only (filters and softmax over Vd, not V), scattered into V
+            # q over the draft vocabulary only (filters and softmax over Vd, not V), 0 in q's other columns
             p, tok = self.draw([seqs[i] for i in rows], self.head.draft_logits(g))             # [b, Vd], [b]
-            if self.head.vocab is not None:
-                p, tok = p.new_zeros(len(rows), V).index_copy_(1, self.head.vocab, p), self.head.vocab[tok]
-            q[torch.tensor(rows, device=dev), j] = p       # greedy rows: verify ignores q
+            idx, vocab = torch.tensor(rows, device=dev), self.head.vocab
+            if vocab is not None:
+                q[idx[:, None], j, vocab], tok = p, vocab[tok]   # greedy rows: verify ignores q
+            else:
+                q[idx, j] = p
             for i, t in zip(rows, tok.tolist()):
                 drafts[i].append(t)
             keep = [r for r, i in enumerate(rows) if num_tokens[i] > j + 1]
