@@ -300,6 +300,23 @@ def test_cli_on_a_tiny_run(tmp_path, capsys):
     assert res["validation"] == []            # a projection has nothing measured to compare with
 
 
+def test_a_step_on_a_slower_box_is_priced_at_its_probed_speed(tmp_path):
+    """A run's speed probe (LLM.speed_probe at each rollout's start) twice the calibration's: that step's
+    every part takes twice as long; a run or a calibration without probes is priced as calibrated."""
+    run = write_run(tmp_path)
+    trace = sim.read_run(str(run), None)[0][0][1]
+    m, lay = sim.ModelShape.from_config(TINY, "tiny"), sim.Layout(2, 1, max_seqs=64)
+    hw = sim.replace(sim.Hardware("cpu", 1e9, 1e9, 1e9, overlap=False, step_overhead_s=1e-3, train_overhead_s=0.1),
+                     probe_s=0.5)
+    slow = [dict(st, measured=dict(st["measured"], rank_time_probe=[1.0, 1.0] if i == 1 else [0.5, 0.5]))
+            for i, st in enumerate(trace)]
+    base, probed = (sim.simulate(t, hw, m, lay, "spec")["sync"] for t in (trace, slow))
+    for key in ("time_rollout", "time_train", "time_step"):
+        assert probed[0][key] == pytest.approx(base[0][key]) and probed[1][key] == pytest.approx(2 * base[1][key])
+    unprobed = sim.simulate(slow, sim.replace(hw, probe_s=0.0), m, lay, "spec")["sync"]
+    assert [s["time_step"] for s in unprobed] == pytest.approx([s["time_step"] for s in base])
+
+
 def test_bad_input_names_the_file_and_key(tmp_path, capsys):
     run = write_run(tmp_path, drop="prompt_rank")
     with pytest.raises(ValueError, match=r"metrics\.jsonl: step 0: missing key 'prompt_rank'"):
@@ -333,7 +350,7 @@ def test_light_calibration_times_each_part_on_a_tiny_model():
     phases = []
     hw = sim.calibrate(dict(TINY, max_position_embeddings=256), 1, "tiny", light=True, log=phases.append)
     assert hw.overlap is False and hw.flops > 0 and hw.mem_bw > 0 and hw.interconnect_bw > 0
-    assert hw.train_mfu > 0 and hw.train_overhead_s >= 0 and hw.draft_token_s > 0
+    assert hw.train_mfu > 0 and hw.train_overhead_s >= 0 and hw.draft_token_s > 0 and hw.probe_s > 0
     assert min(hw.step_overhead_s, hw.seq_overhead_s, hw.verify_overhead_s, hw.wide_flops) >= 0
     assert any("prefills timed" in p for p in phases)     # (wide_flops 0: its compute hid under host time)
     # the rule's bookkeeping is fitted on steps it declined: with its threshold out of reach, all but its probes;
