@@ -300,20 +300,24 @@ def test_cli_on_a_tiny_run(tmp_path, capsys):
     assert res["validation"] == []            # a projection has nothing measured to compare with
 
 
-def test_a_step_on_a_slower_box_is_priced_at_its_probed_speed(tmp_path):
-    """A run's speed probe (LLM.speed_probe at each rollout's start) twice the calibration's: that step's
-    every part takes twice as long; a run or a calibration without probes is priced as calibrated."""
+def test_steps_on_a_slower_box_are_priced_at_its_probed_speed(tmp_path):
+    """A run's speed probes (LLM.speed_probe at each rollout's start) twice the calibration's: every part
+    of every step takes twice as long. One probe caught in a passing stall moves nothing (a median over
+    steps); a run or a calibration without probes is priced as calibrated."""
     run = write_run(tmp_path)
     trace = sim.read_run(str(run), None)[0][0][1]
     m, lay = sim.ModelShape.from_config(TINY, "tiny"), sim.Layout(2, 1, max_seqs=64)
     hw = sim.replace(sim.Hardware("cpu", 1e9, 1e9, 1e9, overlap=False, step_overhead_s=1e-3, train_overhead_s=0.1),
                      probe_s=0.5)
-    slow = [dict(st, measured=dict(st["measured"], rank_time_probe=[1.0, 1.0] if i == 1 else [0.5, 0.5]))
-            for i, st in enumerate(trace)]
-    base, probed = (sim.simulate(t, hw, m, lay, "spec")["sync"] for t in (trace, slow))
-    for key in ("time_rollout", "time_train", "time_step"):
-        assert probed[0][key] == pytest.approx(base[0][key]) and probed[1][key] == pytest.approx(2 * base[1][key])
-    unprobed = sim.simulate(slow, sim.replace(hw, probe_s=0.0), m, lay, "spec")["sync"]
+    probed = lambda probes: [dict(st, measured=dict(st["measured"], rank_time_probe=p)) for st, p in zip(trace, probes)]
+    base = sim.simulate(trace, hw, m, lay, "spec")["sync"]
+    slow = sim.simulate(probed([[1.0, 1.0]] * 3), hw, m, lay, "spec")["sync"]
+    stall = sim.simulate(probed([[0.5, 0.5], [2.0, 2.0], [0.5, 0.5]]), hw, m, lay, "spec")["sync"]
+    flat = lambda steps, key: [x for s in steps for x in (s[key] if isinstance(s[key], list) else [s[key]])]
+    for key in ("time_rollout", "time_train", "time_step", "rank_busy_time", "rank_time_backward"):
+        assert flat(slow, key) == pytest.approx([2 * x for x in flat(base, key)]), key
+        assert flat(stall, key) == pytest.approx(flat(base, key)), key
+    unprobed = sim.simulate(probed([[1.0, 1.0]] * 3), sim.replace(hw, probe_s=0.0), m, lay, "spec")["sync"]
     assert [s["time_step"] for s in unprobed] == pytest.approx([s["time_step"] for s in base])
 
 

@@ -63,20 +63,29 @@ class Hardware:
     repack_s_per_param: float = 0.0   # CPU: the first engine step after a weight update re-lays out every linear
     overlap: bool = True              # compute and memory traffic overlap (GPU); False: they add (one CPU core)
     padded: bool = True               # attention padded to a step's longest row (nanospec's engine); False: varlen
-    probe_s: float = 0.0              # LLM.speed_probe while calibrating: a run's own probes scale it (`at_speed`)
+    probe_s: float = 0.0              # LLM.speed_probe while calibrating: a run's own probes scale it (`box_speed`)
 
 
-def at_speed(hw: Hardware, st: dict) -> Hardware:
-    """`hw` as fast as the box was at this step of a run: every rate and host time scaled by the ratio of the
-    run's speed probe (rank mean) to the calibration's. A shared VM's speed drifts 1.4x within the hour
-    (docs/results.md), which no fit of the model can follow. Without both probes: `hw` as it is."""
-    probe = _mean(st.get("measured", {}).get("rank_time_probe") or [None])
-    if not (probe and hw.probe_s):
-        return hw
-    k = probe / hw.probe_s
+SPEED_WINDOW = 5     # steps: a box's speed drifts over tens of minutes, and one probe can catch a passing stall
+
+
+def box_speed(trace: list[dict], hw: Hardware, window: int = SPEED_WINDOW) -> list[float] | None:
+    """Per step, how much slower the box ran than while it was calibrated: the run's speed probes
+    (LLM.speed_probe, rank mean) over the calibration's, the median of `window` steps around the step.
+    A shared VM's speed drifts 1.4x within the hour (docs/results.md): no fit of the model follows that.
+    None without both probes."""
+    probes = [_mean(st.get("measured", {}).get("rank_time_probe") or [None]) for st in trace]
+    if not hw.probe_s or None in probes:
+        return None
+    h = window // 2
+    return [statistics.median(probes[max(0, i - h):i + h + 1]) / hw.probe_s for i in range(len(trace))]
+
+
+def at_speed(hw: Hardware, k: float) -> Hardware:
+    """`hw` k times slower: every rate divided by k, every host time multiplied by it."""
     rates = {n: getattr(hw, n) / k for n in ("flops", "mem_bw", "interconnect_bw", "wide_flops")}
     times = {f.name: getattr(hw, f.name) * k for f in fields(hw) if f.name.endswith(("_s", "_per_param"))}
-    return replace(hw, **rates, **times)          # (probe_s too: the run's)
+    return replace(hw, **rates, **times)
 
 
 # NVIDIA's data sheets (H100 SXM5 / H200 SXM: dense BF16 989 TFLOP/s, HBM3 3.35 / HBM3e 4.8 TB/s, NVLink
@@ -589,8 +598,8 @@ def simulate(trace: list[dict], hw: Hardware, m: ModelShape, lay: Layout, spec_m
     -> per-step sync timings and the sync / async per-step means."""
     sync, dp = [], lay.dp
     spec = lambda st: Spec() if spec_mode == "ar" else st["spec"]
-    for st in trace:
-        now = at_speed(hw, st)
+    for st, k in zip(trace, box_speed(trace, hw) or [1.0] * len(trace)):
+        now = at_speed(hw, k)
         ro = rollout(now, m, lay, st, dp, spec(st))
         share = [[(p, L) for (p, ls), r in zip(st["groups"], rank_of(st, dp)) if r == k for L in ls] for k in range(dp)]
         T = train_time(now, m, share, ref_model) / lay.tp
@@ -626,8 +635,8 @@ def async_pipeline(trace, hw, m, lay, gen, spec, ref_model) -> dict:
     Per-step time = the pace of sync_end in steady state: ~ max(R, T + S)."""
     S = weight_sync_time(hw, m, colocated=False)
     roll, done, R, T = [], [], [], []
-    for t, st in enumerate(trace):
-        now = at_speed(hw, st)
+    for t, (st, k) in enumerate(zip(trace, box_speed(trace, hw) or [1.0] * len(trace))):
+        now = at_speed(hw, k)
         R.append(rollout(now, m, lay, st, gen, spec(st))["time"])
         all_seqs, n = [(p, L) for p, ls in st["groups"] for L in ls], lay.dp - gen
         T.append(train_time(now, m, [all_seqs[k::n] for k in range(n)], ref_model) / lay.tp)
@@ -1207,10 +1216,9 @@ def _report_run(a, label: str, trace: list[dict], hw: Hardware, m: ModelShape, l
                      f"(mean {sum(lens) / max(len(lens), 1):.0f} tokens), projected seconds per step")
     if val:
         print_rows(val, f"{label}: predicted (trace replayed) vs measured, mean per step")
-        probe = lambda st: _mean(st["measured"].get("rank_time_probe") or [None]) or math.nan
-        slow = [probe(st) / (hw.probe_s or math.nan) for st in trace]
-        print(f"the run's speed probes / the calibration's: mean {statistics.fmean(slow):.3f} ({min(slow):.3f}-"
-              f"{max(slow):.3f}; > 1: the box was slower), priced in" if all(x > 0 for x in slow) else
+        slow = box_speed(trace, hw)
+        print(f"the box's speed probes, the run's over the calibration's ({SPEED_WINDOW}-step medians): mean "
+              f"{statistics.fmean(slow):.3f} ({min(slow):.3f}-{max(slow):.3f}; > 1: slower), priced in" if slow else
               "no speed probes (the run's or the calibration's): the box taken as fast as when calibrated")
     if a.plot and a.run and Path(a.run).is_dir():
         from tools.report import plot_sim_timeline
