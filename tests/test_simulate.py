@@ -300,27 +300,6 @@ def test_cli_on_a_tiny_run(tmp_path, capsys):
     assert res["validation"] == []            # a projection has nothing measured to compare with
 
 
-def test_steps_on_a_slower_box_are_priced_at_its_probed_speed(tmp_path):
-    """A run's speed probes (LLM.speed_probe at each rollout's start) twice the calibration's: every part
-    of every step takes twice as long. One probe caught in a passing stall moves nothing (a median over
-    steps); a run or a calibration without probes is priced as calibrated."""
-    run = write_run(tmp_path)
-    trace = sim.read_run(str(run), None)[0][0][1]
-    m, lay = sim.ModelShape.from_config(TINY, "tiny"), sim.Layout(2, 1, max_seqs=64)
-    hw = sim.replace(sim.Hardware("cpu", 1e9, 1e9, 1e9, overlap=False, step_overhead_s=1e-3, train_overhead_s=0.1),
-                     probe_s=0.5)
-    probed = lambda probes: [dict(st, measured=dict(st["measured"], rank_time_probe=p)) for st, p in zip(trace, probes)]
-    base = sim.simulate(trace, hw, m, lay, "spec")["sync"]
-    slow = sim.simulate(probed([[1.0, 1.0]] * 3), hw, m, lay, "spec")["sync"]
-    stall = sim.simulate(probed([[0.5, 0.5], [2.0, 2.0], [0.5, 0.5]]), hw, m, lay, "spec")["sync"]
-    flat = lambda steps, key: [x for s in steps for x in (s[key] if isinstance(s[key], list) else [s[key]])]
-    for key in ("time_rollout", "time_train", "time_step", "rank_busy_time", "rank_time_backward"):
-        assert flat(slow, key) == pytest.approx([2 * x for x in flat(base, key)]), key
-        assert flat(stall, key) == pytest.approx(flat(base, key)), key
-    unprobed = sim.simulate(probed([[1.0, 1.0]] * 3), sim.replace(hw, probe_s=0.0), m, lay, "spec")["sync"]
-    assert [s["time_step"] for s in unprobed] == pytest.approx([s["time_step"] for s in base])
-
-
 def test_bad_input_names_the_file_and_key(tmp_path, capsys):
     run = write_run(tmp_path, drop="prompt_rank")
     with pytest.raises(ValueError, match=r"metrics\.jsonl: step 0: missing key 'prompt_rank'"):
@@ -354,7 +333,7 @@ def test_light_calibration_times_each_part_on_a_tiny_model():
     phases = []
     hw = sim.calibrate(dict(TINY, max_position_embeddings=256), 1, "tiny", light=True, log=phases.append)
     assert hw.overlap is False and hw.flops > 0 and hw.mem_bw > 0 and hw.interconnect_bw > 0
-    assert hw.train_mfu > 0 and hw.train_overhead_s >= 0 and hw.draft_token_s > 0 and hw.probe_s > 0
+    assert hw.train_mfu > 0 and hw.train_overhead_s >= 0 and hw.draft_token_s > 0
     assert min(hw.step_overhead_s, hw.seq_overhead_s, hw.verify_overhead_s, hw.wide_flops) >= 0
     assert any("prefills timed" in p for p in phases)     # (wide_flops 0: its compute hid under host time)
     # the rule's bookkeeping is fitted on steps it declined: with its threshold out of reach, all but its probes;

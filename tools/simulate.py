@@ -31,7 +31,7 @@ import statistics
 import sys
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from nanospec.config import read_jsonl
@@ -63,29 +63,6 @@ class Hardware:
     repack_s_per_param: float = 0.0   # CPU: the first engine step after a weight update re-lays out every linear
     overlap: bool = True              # compute and memory traffic overlap (GPU); False: they add (one CPU core)
     padded: bool = True               # attention padded to a step's longest row (nanospec's engine); False: varlen
-    probe_s: float = 0.0              # LLM.speed_probe while calibrating: a run's own probes scale it (`box_speed`)
-
-
-SPEED_WINDOW = 5     # steps: a box's speed drifts over tens of minutes, and one probe can catch a passing stall
-
-
-def box_speed(trace: list[dict], hw: Hardware, window: int = SPEED_WINDOW) -> list[float] | None:
-    """Per step, how much slower the box ran than while it was calibrated: the run's speed probes
-    (LLM.speed_probe, rank mean) over the calibration's, the median of `window` steps around the step.
-    A shared VM's speed drifts 1.4x within the hour (docs/results.md): no fit of the model follows that.
-    None without both probes."""
-    probes = [_mean(st.get("measured", {}).get("rank_time_probe") or [None]) for st in trace]
-    if not hw.probe_s or None in probes:
-        return None
-    h = window // 2
-    return [statistics.median(probes[max(0, i - h):i + h + 1]) / hw.probe_s for i in range(len(trace))]
-
-
-def at_speed(hw: Hardware, k: float) -> Hardware:
-    """`hw` k times slower: every rate divided by k, every host time multiplied by it."""
-    rates = {n: getattr(hw, n) / k for n in ("flops", "mem_bw", "interconnect_bw", "wide_flops")}
-    times = {f.name: getattr(hw, f.name) * k for f in fields(hw) if f.name.endswith(("_s", "_per_param"))}
-    return replace(hw, **rates, **times)
 
 
 # NVIDIA's data sheets (H100 SXM5 / H200 SXM: dense BF16 989 TFLOP/s, HBM3 3.35 / HBM3e 4.8 TB/s, NVLink
@@ -598,13 +575,12 @@ def simulate(trace: list[dict], hw: Hardware, m: ModelShape, lay: Layout, spec_m
     -> per-step sync timings and the sync / async per-step means."""
     sync, dp = [], lay.dp
     spec = lambda st: Spec() if spec_mode == "ar" else st["spec"]
-    for st, k in zip(trace, box_speed(trace, hw) or [1.0] * len(trace)):
-        now = at_speed(hw, k)
-        ro = rollout(now, m, lay, st, dp, spec(st))
+    for st in trace:
+        ro = rollout(hw, m, lay, st, dp, spec(st))
         share = [[(p, L) for (p, ls), r in zip(st["groups"], rank_of(st, dp)) if r == k for L in ls] for k in range(dp)]
-        T = train_time(now, m, share, ref_model) / lay.tp
-        S = weight_sync_time(now, m, colocated=True, shared=lay.shared_weights)
-        H = head_train_time(now, st["spec"].head, st, st["spec"].head_training) \
+        T = train_time(hw, m, share, ref_model) / lay.tp
+        S = weight_sync_time(hw, m, colocated=True, shared=lay.shared_weights)
+        H = head_train_time(hw, st["spec"].head, st, st["spec"].head_training) \
             if spec_mode == "spec" and st["spec"].head else 0.0
         part = lambda f: [sum(f(x) for x in steps) for steps in ro["steps"]]    # per rank
         sync.append(dict(step=st["step"], time_rollout=ro["time"], time_train=T, time_weight_sync=S,
@@ -613,7 +589,7 @@ def simulate(trace: list[dict], hw: Hardware, m: ModelShape, lay: Layout, spec_m
                          rank_time_prefill=part(lambda x: (x[1] - x[4]) * (x[3] == "prefill")),
                          rank_time_decode=part(lambda x: (x[1] - x[4]) * (x[3] == "decode")),
                          rank_time_propose=part(lambda x: x[4]),
-                         rank_time_backward=train_compute(now, m, share, ref_model)))
+                         rank_time_backward=train_compute(hw, m, share, ref_model)))
     keys = ("time_rollout", "time_train", "time_weight_sync", "time_head", "time_step")
     out = dict(sync=sync, sync_mean={k: _mean([s[k] for s in sync]) for k in keys})
     if dp > 1:
@@ -635,11 +611,10 @@ def async_pipeline(trace, hw, m, lay, gen, spec, ref_model) -> dict:
     Per-step time = the pace of sync_end in steady state: ~ max(R, T + S)."""
     S = weight_sync_time(hw, m, colocated=False)
     roll, done, R, T = [], [], [], []
-    for t, (st, k) in enumerate(zip(trace, box_speed(trace, hw) or [1.0] * len(trace))):
-        now = at_speed(hw, k)
-        R.append(rollout(now, m, lay, st, gen, spec(st))["time"])
+    for t, st in enumerate(trace):
+        R.append(rollout(hw, m, lay, st, gen, spec(st))["time"])
         all_seqs, n = [(p, L) for p, ls in st["groups"] for L in ls], lay.dp - gen
-        T.append(train_time(now, m, [all_seqs[k::n] for k in range(n)], ref_model) / lay.tp)
+        T.append(train_time(hw, m, [all_seqs[k::n] for k in range(n)], ref_model) / lay.tp)
         roll.append(max(roll[-1] if roll else 0.0, done[t - 2] if t >= 2 else 0.0) + R[-1])
         done.append(max(roll[-1], done[-1] if done else 0.0) + T[-1] + S)
     pace = (done[-1] - done[0]) / (len(done) - 1) if len(done) > 1 else done[0]
@@ -669,7 +644,7 @@ def calibrated(cfg: dict, threads: int, where: str, ranks: int, device: str) -> 
     names = [ln.split(":", 1)[1].strip() for ln in (info.read_text().splitlines() if info.is_file() else [])
              if ln.startswith("model name")]
     machine = torch.cuda.get_device_name(0) if device != "cpu" else (names or [platform.processor()])[0]
-    key = json.dumps([cfg, threads, ranks, machine, os.cpu_count(), torch.__version__, 27]
+    key = json.dumps([cfg, threads, ranks, machine, os.cpu_count(), torch.__version__, 26]
                      + [device] * (device != "cpu"), sort_keys=True, default=str)
     path = cache_dir() / "profiles" / f"sim_{device}_{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
     if path.is_file():     # said, so a calibration taken on a busy box or another day is not trusted unseen
@@ -744,18 +719,13 @@ def calibrate(cfg: dict, threads: int, where: str, sync=lambda: None, light: boo
     t_start = time.perf_counter()
     done = (lambda phase: log(f"{phase} ({time.perf_counter() - t_start:.0f} s)")) if log else (lambda phase: None)
     prompt_range = (32, 96) if light else (6, 48)   # light: a CPU rank's prompts of a real model's GRPO
-    sync()
-    probes = [llm.speed_probe()]      # with every rank, as a run's ranks probe at each rollout's start
     hw = _fit_wide(llm, m, _fit_roofline(llm, m, maxlen, med, light, gpu, sync, done), light, prompt_range, done)
     if not gpu:
         hw = replace(hw, repack_s_per_param=repack_time(llm, med) / m.matmul_params)
     hw = replace(hw, **head_overhead(llm, m, hw, maxlen, med, 1 if light else 3))
     done("draft head's drafting timed")
     sync()
-    probes.append(llm.speed_probe())
     hw = _fit_engine_overheads(llm, hw, m, args.vocab_size, light, prompt_range, done)
-    sync()
-    hw = replace(hw, probe_s=statistics.fmean(probes + [llm.speed_probe()]))   # the box's speed while fitting
     llm.sleep()      # as a run's engine sleeps while its trainer steps (an awake one slows them: docs/results.md)
     del llm
     hw = _fit_trainer(hw, m, args, device, light, prompt_range, sync, wait, done, where)
@@ -1216,10 +1186,6 @@ def _report_run(a, label: str, trace: list[dict], hw: Hardware, m: ModelShape, l
                      f"(mean {sum(lens) / max(len(lens), 1):.0f} tokens), projected seconds per step")
     if val:
         print_rows(val, f"{label}: predicted (trace replayed) vs measured, mean per step")
-        slow = box_speed(trace, hw)
-        print(f"the box's speed probes, the run's over the calibration's ({SPEED_WINDOW}-step medians): mean "
-              f"{statistics.fmean(slow):.3f} ({min(slow):.3f}-{max(slow):.3f}; > 1: slower), priced in" if slow else
-              "no speed probes (the run's or the calibration's): the box taken as fast as when calibrated")
     if a.plot and a.run and Path(a.run).is_dir():
         from tools.report import plot_sim_timeline
         print("wrote", plot_sim_timeline([st["measured"] for st in trace], res["spec"]["sync"], a.plot))

@@ -578,14 +578,6 @@ class LLM:
             for s in seqs:
                 self.blocks.free(s)
 
-    def speed_probe(self, reps: int = 3) -> float:
-        """Seconds of one fixed decode forward (8 rows, 64 keys), the median of `reps`: how fast this
-        machine runs this model at the moment. A run records it every step and a calibration once, so
-        tools.simulate can tell a slower box from a wrong model (a shared VM's speed drifts 1.4x in an hour)."""
-        B, C = min(8, self.scheduler.max_num_seqs), min(64, self.max_model_len - 1)
-        times = sorted(self.time_forward(B, C, 1) for _ in range(reps))
-        return times[reps // 2]
-
     @property
     def num_free_blocks(self) -> int:
         return self.blocks.num_free

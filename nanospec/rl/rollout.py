@@ -154,7 +154,6 @@ class RolloutWorker:
         pred = [self.predict(p) for p in problems]
         assignment = assign_prompts(pred, self.world, self.cfg.speculation.length_aware_assignment)
         llm.reset_stats()
-        probe = llm.speed_probe()          # the box's speed now (tools.simulate)
         with no_gc_pauses():
             t0 = time.perf_counter()
             groups = [(i, self._add(problems[i], pred[i], i)) for i in assignment[self.rank]]  # longest first
@@ -175,7 +174,7 @@ class RolloutWorker:
             signal.wait()
             t_done = time.perf_counter()
             mine = dict(busy=t_busy - t0, bubble=t_done - t_busy, draft_time=t_draft, train_time=t_train, wall=t_done - t0,
-                        probe=probe, stats=stats, seconds=seconds, drafts=drafts,
+                        stats=stats, seconds=seconds, drafts=drafts,
                         lengths={i: [s.num_completion_tokens for s in seqs] for i, seqs in groups},
                         forwards={i: [(s.num_forwards, s.num_drafted) for s in seqs] for i, seqs in groups})
             ranks = dist.all_gather_object(mine, self.group)
@@ -242,7 +241,6 @@ class RolloutWorker:
         m.update(rank_busy_time=busy, rank_bubble_time=[r["bubble"] for r in ranks],
                  rank_bubble_draft_time=[r["draft_time"] for r in ranks], rank_bubble_draft_tokens=bub_tokens,
                  rank_bubble_train_time=[r["train_time"] for r in ranks],
-                 rank_time_probe=[r["probe"] for r in ranks],
                  rank_predicted_work=work, time_rollout=wall, tokens_per_s=merged["generated_tokens"] / max(wall, 1e-9),
                  rollout_imbalance=imbalance(busy), predicted_imbalance=imbalance(work),
                  bubble_draft_tokens=sum(bub_tokens), bubble_draft_accepted=accepted,
