@@ -36,12 +36,13 @@ drafts grow while accepted); DAS's length classes, when `length_class_budgets` a
 
 A source whose drafts `clip` has not kept on their price for a gap of steps (off, or cut every time) is
 probed: `probe_rows` of the rows whose tokens are worth the most draft 2 tokens, verified unpriced (a
-drafter with its own KV: only rows it is current on). The gap doubles per probe up to
-`probe_every_max`, restarts when `budgets` turns a rate source back on (a confident source is measured
-whenever `clip` keeps its drafts), and carries over rollout steps. A probe costs at most
-`probe_fraction` of what the source could save at acceptance 1 over the tokens the batch has left, so
-a source that could not pay even then is never probed. Old evidence decays with the steps a source
-went unobserved: one that got better is back on after a probe or two; silence never turns it on.
+drafter with its own KV: 1 token, on the rows it is most current on, after a catch-up over the tokens
+it missed, priced). The gap doubles per probe up to `probe_every_max`, restarts when `budgets` turns a
+rate source back on (a confident source is measured whenever `clip` keeps its drafts), and carries over
+rollout steps. A probe costs at most `probe_fraction` of what the source could save at acceptance 1 over
+the tokens the batch has left, so a source that could not pay even then is never probed. Old evidence
+decays with the steps a source went unobserved: one that got better is back on after a probe or two;
+silence never turns it on.
 No choice here touches what is sampled (verify.py): every one is exact. With `replay` (a fixed latency
 profile) the clock is never read, so the same tokens always lead to the same choices.
 Sources: EfficientRollout (toggle, adaptive length); DAS (length budgets); Leviathan et al. 2023 eq. 1.
@@ -325,13 +326,16 @@ class DraftController:
 
     def _probe(self, st: dict, source: str, seqs, caps: list[int], lags: list[int], gap: list[int]) -> list[int]:
         """An off source's probe rows (k per row), or all 0: see the module docstring."""
-        kv, worth = source in self.kv_sources, st["worth"]    # the rows whose tokens are worth the most
-        rows = heapq.nsmallest(self.probe_rows, (i for i in range(len(seqs))  # (those the batch waits for)
-                                                 if caps[i] and (not kv or lags[i] <= 2)), key=lambda i: -worth[i])
+        # the rows whose tokens are worth the most (those the batch waits for); a drafter with its own KV:
+        # those it is most current on, and it first catches up on what it missed, priced. (Probed only
+        # where current, a draft model was probed at a response's opening alone, and rated by it.)
+        kv, worth = source in self.kv_sources, st["worth"]
+        rows = heapq.nsmallest(self.probe_rows, (i for i in range(len(seqs)) if caps[i]),
+                               key=lambda i: (lags[i] if kv else 0, -worth[i]))
         if not rows:
             return [0] * len(seqs)
-        k = min(2, *(caps[i] for i in rows))
-        any_k, per = self._draft_cost(st, source, len(rows))
+        k = min(1 if kv else 2, *(caps[i] for i in rows))          # 1: a model drafter's forward each
+        any_k, per = self._draft_cost(st, source, len(rows), sum(lags[i] for i in rows) / len(rows))
         cost = any_k + per * k + st["v"] + st["c"] * k * len(rows)
         budget = self.probe_fraction * st["left"] / st["B"] * st["t_ar"]    # x (1 - 1 / s1) below, s1 > 1
         if cost > budget:        # unaffordable whatever s1, so skip the solve
