@@ -326,9 +326,8 @@ class DraftController:
 
     def _probe(self, st: dict, source: str, seqs, caps: list[int], lags: list[int], gap: list[int]) -> list[int]:
         """An off source's probe rows (k per row), or all 0: see the module docstring."""
-        # the rows whose tokens are worth the most (those the batch waits for); a drafter with its own KV:
-        # those it is most current on, and it first catches up on what it missed, priced. (Probed only
-        # where current, a draft model was probed at a response's opening alone, and rated by it.)
+        # the rows worth the most (the batch waits for them); with its own KV, the most current ones, after a
+        # priced catch-up (probed only where current, a draft model was rated by responses' openings alone)
         kv, worth = source in self.kv_sources, st["worth"]
         rows = heapq.nsmallest(self.probe_rows, (i for i in range(len(seqs)) if caps[i]),
                                key=lambda i: (lags[i] if kv else 0, -worth[i]))
