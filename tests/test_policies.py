@@ -171,12 +171,13 @@ class Row:
 CPU = [1, 0, 0.03, 0, 0, 0.05]     # a decode ~1; each verified token 3% of it, a verify's fixed extra 5%
 
 
-def controller(coef=CPU, draft_forward=None, **kw):
-    """A replayed controller of one source "d" (a model drafter when `draft_forward` is given)."""
+def controller(coef=CPU, draft_forward=None, draft_per_token=0.0, **kw):
+    """A replayed controller of one source "d" (a model drafter when `draft_forward` is given; its forward
+    `draft_per_token` more per token fed, as a catch-up is)."""
     kv = draft_forward is not None
     return DraftController(LatencyModel(coef=coef), sources=["d"], kv_sources=["d"] if kv else [],
-                           draft_latency=LatencyModel(coef=[draft_forward, 0, 0, 0, 0, 0]) if kv else None,
-                           replay=True, **kw)
+                           draft_latency=LatencyModel(coef=[draft_forward, 0, draft_per_token, 0, 0, 0])
+                           if kv else None, replay=True, **kw)
 
 
 def replay(rate, ctrl=None, k=0, B=1, tokens=96, max_k=8, draft_forward=None, seed=0, log=None, drafting=None,
@@ -393,9 +394,8 @@ def test_a_drafter_with_its_own_kv_is_probed_after_a_priced_catch_up_where_most_
     catch-up over 30 tokens at 0.1 of a decode each does not fit the probe's budget: stale rows wait.
     Turning it on prices that catch-up too: it can cost more than the drafts would save."""
     def ctrl(per_token):
-        c = DraftController(LatencyModel(coef=[1, 0, 0.01, 0, 0, 0]), sources=["d"], kv_sources=["d"],
-                            draft_latency=LatencyModel(coef=[0.01, 0, per_token, 0, 0, 0]), replay=True,
-                            probe_every=2, probe_every_max=8, probe_rows=2)
+        c = controller(coef=[1, 0, 0.01, 0, 0, 0], draft_forward=0.01, draft_per_token=per_token, probe_every=2,
+                       probe_every_max=8, probe_rows=2)
         for _ in range(64):
             c.observe_acceptance("d", 4, 0)
         return c
