@@ -310,10 +310,6 @@ def _pos(sec, *keys):
     return [(k, getattr(sec, k) is None or getattr(sec, k) > 0, "> 0") for k in keys]
 
 
-def _is_num(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
 def _type_name(tp) -> str:
     args = typing.get_args(tp)
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
@@ -335,7 +331,7 @@ def _coerce(v, tp):
         if not isinstance(v, list):
             raise TypeError
         return [_coerce(x, typing.get_args(tp)[0]) for x in v]
-    if tp is float and (_is_num(v) or isinstance(v, str)):
+    if tp is float and isinstance(v, (int, float, str)) and not isinstance(v, bool):
         return float(v)  # a non-numeric string raises ValueError -> reported as a type error
     if tp is int and isinstance(v, bool) or not isinstance(v, tp):
         raise TypeError
@@ -460,8 +456,7 @@ def load_config(path, overrides=()) -> Config:
     return config_from_dict(raw, str(path), origin)
 
 
-def config_to_dict(cfg: Config) -> dict:
-    return asdict(cfg)
+config_to_dict = asdict     # Config -> {section: {key: value}}: its YAML, a checkpoint's copy
 
 
 def save_config(cfg: Config, path) -> None:

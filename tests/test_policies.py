@@ -10,7 +10,7 @@ import pytest
 from nanospec.drafters.base import Proposal
 from nanospec.engine.controller import Acceptance, DraftController, LengthClasses, declines, plan_drafts
 from nanospec.engine.latency import LatencyModel
-from nanospec.rl.scheduling import LengthPredictor, assign_to_ranks, imbalance, rank_work, round_robin
+from nanospec.rl.scheduling import LengthPredictor, assign_to_ranks, imbalance, rank_work
 
 TRUE = np.array([1e-3, 2e-5, 1e-5, 3e-8, 5e-9, 2e-4])  # const, B, B*Q, B*C, B*Q*C, Q>1
 
@@ -114,6 +114,11 @@ def test_length_predictor_prior_history_and_state():
         m.observe(2, [3], prompt_len=-1)
     with pytest.raises(ValueError, match="state"):
         q.load_state_dict({"prior": 1.0})
+
+
+def round_robin(n: int, world_size: int) -> list[list[int]]:
+    """The blind baseline: prompt i goes to rank i % world_size."""
+    return [list(range(r, n, world_size)) for r in range(world_size)]
 
 
 def test_length_predictor_balances_new_prompts_by_prompt_length():

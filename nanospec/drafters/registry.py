@@ -107,9 +107,7 @@ def build(spec, target=None):
     if spec is None:
         return None
     check(spec)
-    if not isinstance(spec, list):
-        return _build_one(spec, target)
-    members = [_build_one(s, target) for s in spec]
+    members = [_build_one(s, target) for s in (spec if isinstance(spec, list) else [spec])]
     if len(members) == 1:
         return members[0]
     from nanospec.drafters.chain import ChainDrafter

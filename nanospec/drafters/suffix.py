@@ -383,7 +383,7 @@ class SuffixDrafter(Drafter):
             text.append(t)
             self._nodes += trie.size - size
 
-    def _context(self, seq: Sequence) -> tuple[_Trie, _Node]:
+    def context(self, seq: Sequence) -> tuple[_Trie, _Node]:
         """(seq's prompt trie, the node of the longest suffix of seq's tokens in it), after adding
         seq's new tokens to its own text there (the end of that text is the node)."""
         tree, toks = self.tree(seq), seq.token_ids
@@ -432,12 +432,6 @@ class SuffixDrafter(Drafter):
         self._nodes = sum(t.size for t in self._trees.values()) + (self._global.size if self._global else 0)
         self._shrink(0)
 
-    def match(self, seq: Sequence, trie: _Trie) -> _Node:
-        """The node of the longest suffix of seq's tokens in trie (walk on with trie.step); in its
-        prompt's trie that is where seq's own text ends."""
-        tree, node = self._context(seq)
-        return node if trie is tree else self._match_node(seq, "other", trie)
-
     def _match_node(self, seq: Sequence, slot: str, trie: _Trie) -> _Node:
         toks, L = seq.token_ids, len(seq.token_ids)
         st = self._match.setdefault(seq.seq_id, {}).get(slot)
@@ -457,7 +451,7 @@ class SuffixDrafter(Drafter):
                         confidence=[c for _, c in drafts])
 
     def _draft(self, seq: Sequence, k: int) -> tuple[list[int], list[float]]:
-        tree, node = self._context(seq)
+        tree, node = self.context(seq)
         out, conf, score = tree.draft(node, k, self.alpha, self.min_prob, self.shrink)
         if self._global is not None and len(out) < k:
             glob = self._read_global(tree)

@@ -171,8 +171,8 @@ class SuffixMLPDrafter(Drafter):
         everyone = []
         for i, (s, k) in enumerate(zip(seqs, num_tokens)):
             if k > 0:
-                tree = self.suffix.tree(s)
-                everyone.append(_Row(i, s, k, tree, self.suffix.match(s, tree), self.mlp.window(s.token_ids)))
+                tree, node = self.suffix.context(s)
+                everyone.append(_Row(i, s, k, tree, node, self.mlp.window(s.token_ids)))
         rows = list(everyone)
         onehot, sampled, probs, done = [], [], [], 0   # (row, position, token); (row, position, index into probs)
         while rows:   # one round per MLP-drafted token: a batched MLP call over every row's tree path

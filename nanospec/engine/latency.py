@@ -48,7 +48,7 @@ class LatencyModel:
         if coef is not None:
             coef = np.asarray(coef, dtype=float)
             check(coef.shape == (6,) and bool(np.all(coef >= 0)), "coef", "6 nonnegative floats", coef)
-        self.min_seconds, self.refit_every, self.fits = min_seconds, refit_every, -1
+        self.min_seconds, self.refit_every = min_seconds, refit_every
         self._set(coef)
         self.anchors: list[tuple] = []
         self.recent: deque = deque(maxlen=buffer)
@@ -85,7 +85,7 @@ class LatencyModel:
         self._since_fit = 0
 
     def _set(self, coef) -> None:
-        self.coef, self.fits = coef, self.fits + 1     # fits: a version, for choices cached on predictions
+        self.coef = coef
         self._w = None if coef is None else tuple(map(float, coef))   # plain floats: predict is hot
 
     def predict(self, B: float, C: float, Q: float) -> float:

@@ -186,8 +186,6 @@ class LLM:
         if controller is None or isinstance(controller, DraftController):
             return controller
         if controller == "auto":
-            if self.drafter is None:
-                return None
             controller = SpeculationConfig()     # the trainer's rule and threshold; no length classes
         if not isinstance(controller, SpeculationConfig):
             raise ValueError(f"controller: expected 'auto', None, a SpeculationConfig or a DraftController, "
@@ -391,9 +389,9 @@ class LLM:
             assert len(proposal.tokens[i]) <= k, f"drafter {proposal.sources[i]} proposed past its budget"
         return proposal
 
-    def _verify_and_append(self, seqs, logits, proposal: Proposal, index=None) -> list[Sequence]:
+    def _verify_and_append(self, seqs, logits, proposal: Proposal, index) -> list[Sequence]:
         """Verify every row's drafts in one call, append the emitted tokens, finish the sequences that
-        stopped. logits: [B, K+1, V], or packed [N, V] with index [B, K+1] (verify.verify)."""
+        stopped. logits: packed [N, V] with index [B, K+1] (`_logits_at`, verify.verify)."""
         dev, drafts, V = self.device, proposal.tokens, logits.shape[-1]
         B, K = len(seqs), max(map(len, drafts))
         key = (V, *((s.params.temperature, s.params.top_k, s.params.top_p) for s in seqs))
@@ -404,7 +402,7 @@ class LLM:
         u = self._uniforms(seqs, drafts, K, self._st.all_greedy)                       # [B, K+1]
         q = proposal.q[:, :K].to(dev) if proposal.q is not None else None
         lq = proposal.lenient_q[:, :K].to(dev) if proposal.lenient_q is not None else None
-        n, toks, lps = verify(logits, draft, num_draft, self._st, u[:, :K], u[:, K], q, lq, index)
+        n, toks, lps = verify(logits, index, draft, num_draft, self._st, u[:, :K], u[:, K], q, lq)
         host = torch.cat([n.unsqueeze(1).double(), toks.double(), lps.double()], 1).tolist()  # one sync
         finished = []
         for i, (s, row) in enumerate(zip(seqs, host)):

@@ -25,13 +25,13 @@ from nanospec.engine import sampler
 from nanospec.engine.sampler import SamplingTensors
 
 
-def verify(logits: torch.Tensor, draft: torch.Tensor, num_draft: torch.Tensor, st: SamplingTensors,
-           u_accept: torch.Tensor, u_final: torch.Tensor, q: torch.Tensor | None = None,
-           lenient_q: torch.Tensor | None = None, index: torch.Tensor | None = None):
+def verify(logits: torch.Tensor, index: torch.Tensor, draft: torch.Tensor, num_draft: torch.Tensor,
+           st: SamplingTensors, u_accept: torch.Tensor, u_final: torch.Tensor, q: torch.Tensor | None = None,
+           lenient_q: torch.Tensor | None = None):
     """
-    logits   [B, K+1, V]  target logits at positions len-1 .. len-1+K of each sequence, or packed
-             [N, V] with index [B, K+1] naming the logits row of (b, j): a ragged batch then computes
-             and normalises only its N real positions, not B * (K+1) (index repeats a row's last one)
+    logits   [N, V]       target logits at the real positions len-1 .. len-1+k_b of each sequence, packed
+    index    [B, K+1]     the logits row of (b, j): a ragged batch computes and normalises only its N
+                          real positions, not B * (K+1) (index repeats a row's last one)
     draft    [B, K]       draft tokens (padding beyond num_draft[b] is ignored)
     num_draft[B]          k_b <= K
     u_accept [B, K], u_final [B]: uniforms in (0, 1] from each request's generator
@@ -40,9 +40,6 @@ def verify(logits: torch.Tensor, draft: torch.Tensor, num_draft: torch.Tensor, s
     """
     B, K = draft.shape
     dev = logits.device
-    if index is None:
-        index = torch.arange(B * (K + 1), device=dev).view(B, K + 1)
-        logits = logits.flatten(0, 1)                                      # [N = B*(K+1), V]
     owner = torch.zeros(logits.shape[0], dtype=torch.long, device=dev).scatter_(
         0, index.flatten(), torch.arange(B, device=dev).repeat_interleave(K + 1))   # [N] its sequence
     st_n = st.rows(owner)

@@ -41,10 +41,6 @@ MANIFEST = "COMPLETE.json"
 _STEP = re.compile(r"^step_(\d+)$")
 
 
-def ckpt_root(run_dir) -> Path:
-    return Path(run_dir) / "checkpoints"
-
-
 def rng_state() -> dict:
     st = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
     if torch.cuda.is_available():
@@ -72,7 +68,7 @@ def save_checkpoint(run_dir, step: int, model, tokenizer, trainer_state: dict, r
     `model`: a whole-weight CausalLM, written by rank 0 (HF layout); `sharded`: a state dict of DTensors
     every rank writes its shards of with DCP (dcp/); `extras`: {subdirectory: writer(path)} rank 0 adds
     (the draft head's HF-style export). Four phases; a death in any of them leaves no step_N behind."""
-    root = ckpt_root(run_dir)
+    root = Path(run_dir) / "checkpoints"
     tmp, final = root / f".tmp_step_{step:06d}", root / f"step_{step:06d}"
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -124,7 +120,7 @@ def publish(tmp: Path, final: Path, run_dir, keep: int) -> None:
 
 def list_checkpoints(run_dir) -> list[Path]:
     """Complete checkpoint dirs (manifest present), oldest first. Temp dirs are never listed."""
-    root = ckpt_root(run_dir)
+    root = Path(run_dir) / "checkpoints"
     if not root.is_dir():
         return []
     dirs = [p for p in root.iterdir() if _STEP.match(p.name) and (p / MANIFEST).is_file()]

@@ -83,12 +83,6 @@ def assign_to_ranks(predicted_work: Sequence[float], world_size: int) -> list[li
     return ranks
 
 
-def round_robin(n: int, world_size: int) -> list[list[int]]:
-    """Baseline: prompt i goes to rank i % world_size."""
-    check(is_int(world_size) and world_size >= 1, "world_size", "an int >= 1", world_size)
-    return [list(range(r, n, world_size)) for r in range(world_size)]
-
-
 def rank_work(predicted_work: Sequence[float], assignment: list[list[int]]) -> list[float]:
     return [float(sum(predicted_work[i] for i in idx)) for idx in assignment]
 

@@ -18,14 +18,14 @@ from __future__ import annotations
 import random
 
 from nanospec.tasks.rewards import _NUM, extract_answer
-from nanospec.tasks.synthetic import Problem, _in_test
+from nanospec.tasks.synthetic import Problem, Splits, _in_test
 
 NAMES = ["Mia", "Tom", "Anna", "Ben", "Lily", "Sam", "Noah", "Emma", "Leo", "Ava"]
 ITEMS = ["apples", "coins", "books", "pens", "cards", "stickers", "marbles", "stamps"]
 INSTRUCTION = "Give the final number after '####'."
 
 
-class ArithTask:
+class ArithTask(Splits):
     name = "arith"
 
     def __init__(self, seed: int = 0, min_steps: int = 1, max_steps: int = 6, zipf_alpha: float = 1.5,
@@ -71,12 +71,6 @@ class ArithTask:
                 seen.add(p.prompt)
                 out.append(p)
         return out
-
-    def train(self, n: int) -> list[Problem]:
-        return self.sample("train", n)
-
-    def test(self, n: int) -> list[Problem]:
-        return self.sample("test", n)
 
     def sft_text(self, problem: Problem, rng: random.Random, error_rate: float = 0.0) -> str:
         """Worked running totals, then '#### N'; with probability `error_rate` the final number is off by one."""

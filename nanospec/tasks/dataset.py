@@ -29,7 +29,7 @@ import string
 from pathlib import Path
 
 from nanospec.tasks.rewards import Rewards
-from nanospec.tasks.synthetic import Problem
+from nanospec.tasks.synthetic import Problem, Splits
 
 BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 GSM8K_PROMPT = "{question}\nSolve step by step, then give the final number after '####'."
@@ -79,7 +79,7 @@ def _load(source: str, config: str | None) -> dict[str, list[dict]]:
     return {name: split.to_list() for name, split in dd.items()}
 
 
-class DatasetTask:
+class DatasetTask(Splits):
     name = "dataset"
 
     def __init__(self, dataset: str, prompt: str = "prompt", rewards: list[str] = (),
@@ -169,12 +169,6 @@ class DatasetTask:
         order = list(range(len(rows)))
         random.Random(f"nanospec-{self.stem}/{self.seed if seed is None else seed}/{split}").shuffle(order)
         return [self.make_problem(*rows[i], split) for i in order[:n]]
-
-    def train(self, n: int | None = None) -> list[Problem]:
-        return self.sample("train", n)
-
-    def test(self, n: int | None = None) -> list[Problem]:
-        return self.sample("test", n)
 
     # ---- rewards --------------------------------------------------------------------------------
     def score(self, problems: list[Problem], texts: list[str], completion_ids: list | None = None):

@@ -45,13 +45,23 @@ class Problem:
     messages: list | None = None
 
 
+class Splits:
+    """A task's `train(n)` / `test(n)`: n problems of that split, as its `sample` draws them (seeded)."""
+
+    def train(self, n: int | None = None) -> list[Problem]:
+        return self.sample("train", n)
+
+    def test(self, n: int | None = None) -> list[Problem]:
+        return self.sample("test", n)
+
+
 def _in_test(prompt: str, test_fraction: float) -> bool:
     """Stable split by content hash (Python's hash() is salted per process): train/test are disjoint."""
     h = int.from_bytes(hashlib.blake2b(prompt.encode(), digest_size=8).digest(), "big")
     return h / 2**64 < test_fraction
 
 
-class SyntheticTask:
+class SyntheticTask(Splits):
     name = "synthetic"
 
     def __init__(self, seed: int = 0, min_steps: int = 1, max_steps: int = 26, zipf_alpha: float = 1.0,
@@ -104,12 +114,6 @@ class SyntheticTask:
             if digits is not None:
                 out.append(self.make_problem(digits, split))
         return out
-
-    def train(self, n: int) -> list[Problem]:
-        return self.sample("train", n)
-
-    def test(self, n: int) -> list[Problem]:
-        return self.sample("test", n)
 
     # ---- completions ----------------------------------------------------------------------------------
     @staticmethod
