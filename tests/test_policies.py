@@ -366,6 +366,21 @@ def test_one_stalled_propose_does_not_price_a_drafter_off_for_good():
     assert ctrl.draft_time == pytest.approx(0.015) and ctrl.budgets(rows, 4) == [0] * 16
 
 
+def test_a_model_drafters_forwards_are_learned_without_its_catch_up():
+    """A model drafter's propose() is a forward over the tokens it missed (its catch-up), then one-token
+    forwards. The catch-up is priced apart (`_draft_cost`), so the time learned per forward leaves it
+    out: counted in both, a draft head's drafts were priced above their cost (docs/results.md)."""
+    fwd = lambda B, Q: 1e-3 + 2e-4 * B * Q                               # the drafter's forward, seconds
+    draft = LatencyModel(refit_every=4).fit([(B, C, Q, fwd(B, Q)) for B in (1, 8) for C in (10, 40)
+                                             for Q in (1, 8)])
+    ctrl = DraftController(LatencyModel(coef=CPU), sources=["d"], kv_sources=["d"], draft_latency=draft)
+    for _ in range(16):                   # 8 rows: a catch-up over 6 tokens a row, then 2 one-token forwards
+        ctrl.observe_draft_time(fwd(8, 6) + 2 * fwd(8, 1), 8, 40.0, forwards=3, lag=6)
+    assert draft.predict(8, 40.0, 1) == pytest.approx(fwd(8, 1), rel=1e-3)
+    st = ctrl._begin([Row(40, lag=6) for _ in range(8)])
+    assert ctrl._draft_cost(st, "d", 8, lag=6) == pytest.approx((fwd(8, 6) - fwd(8, 1), fwd(8, 1)), rel=1e-3)
+
+
 def test_each_source_is_priced_on_its_own_and_off_sources_are_probed_with_a_doubling_gap():
     """A good and an always-wrong source in one batch: the good one's drafts stay, the bad one's rows
     are cut to 0 but on probe steps (`probe_rows` rows, 2 tokens), spaced 2, 4, 8, 8 steps apart; a

@@ -406,15 +406,23 @@ class DraftController:
         return replace(proposal, tokens=tokens, confidence=proposal.confidence and confidence)
 
     # ---- what the engine reports back ---------------------------------------------------------------
-    def observe_draft_time(self, seconds: float, num_seqs: int, ctx_len: float = 0.0, forwards: int = 0) -> None:
-        """One propose() over `num_seqs` rows; a model drafter's is `forwards` forwards of its model.
+    def observe_draft_time(self, seconds: float, num_seqs: int, ctx_len: float = 0.0, forwards: int = 0,
+                           lag: float = 1.0) -> None:
+        """One propose() over `num_seqs` rows; a model drafter's is `forwards` forwards of its model, the
+        first over the `lag` tokens a row it had not seen. That catch-up is priced apart (`_draft_cost`),
+        so its predicted share is taken out before the rest is learned as one-token forwards (counted in
+        both, it priced a draft head's drafts above their cost: docs/results.md).
         In replay nothing is learned from the clock. A median, not a mean: a drafter priced off is not
         timed again, so one stalled propose() (a full GC pass, a page fault) must not outweigh the rest."""
         if self.replay:
             return
         if forwards:
             if self.draft_latency is not None:
-                self.draft_latency.observe(num_seqs, ctx_len, 1, seconds / forwards)
+                lag, per = max(lag, 1.0), self.draft_latency.predict(num_seqs, ctx_len, 1)
+                catch_up = max(0.0, self.draft_latency.predict(num_seqs, ctx_len, lag) - per)
+                # a forward over Q tokens costs at most Q one-token forwards: beyond that, the model errs
+                rest = max(seconds - catch_up, seconds * forwards / (lag + forwards - 1))
+                self.draft_latency.observe(num_seqs, ctx_len, 1, rest / forwards)
             return
         self._draft_times.append(seconds / max(num_seqs, 1))
         self.draft_time = statistics.median(self._draft_times)

@@ -372,6 +372,9 @@ class LLM:
         budgets = [min(k, len(s.block_table) * self.blocks.block_size - len(s)) for s, k in zip(seqs, budgets)]
         if not any(budgets):
             return empty
+        drafting = [s for s, k in zip(seqs, budgets) if k]
+        lag = (sum(len(s) - s.num_draft_computed for s in drafting) / len(drafting)   # a model drafter's
+               if self.drafter.needs_kv else 1.0)                                     # catch-up, tokens a row
         t0 = time.perf_counter()
         proposal = self.drafter.propose(seqs, budgets)
         seconds = time.perf_counter() - t0
@@ -382,9 +385,8 @@ class LLM:
             per["depth"] += max(len(t) for t, n in zip(proposal.tokens, proposal.sources) if n == name)
         if self.controller is not None:
             proposal = self.controller.clip(proposal, budgets, seqs)
-            drafting = [s for s, k in zip(seqs, budgets) if k]
             self.controller.observe_draft_time(seconds, len(drafting), sum(map(len, drafting)) / len(drafting),
-                                               max(budgets) if self.drafter.needs_kv else 0)
+                                               max(budgets) if self.drafter.needs_kv else 0, lag)
         for i, k in enumerate(budgets):
             assert len(proposal.tokens[i]) <= k, f"drafter {proposal.sources[i]} proposed past its budget"
         return proposal
