@@ -310,10 +310,12 @@ class DraftController:
         """`plan_drafts`' bounds where every row asks the same drafts `probs`, from the step's largest and
         summed worth (`_begin`): O(K) per source, not O(B), so a step the rule declines costs what its
         worth list costs. The same answer: the largest gain is the largest worth's (w p rounds
-        monotonically in w), and the gains' sum differs from plan_drafts' only in float order."""
-        s, T0 = self.min_speedup, st["t_ar"] + st["v"] + fixed
-        largest = max(st["wmax"] * probs[0], st["wmax"] * probs[-1]) / s
-        return declines(largest, st["wsum"] * sum(probs) / s, st["t_ar"], st["c"], T0 + per_forward * len(probs), T0)
+        monotonically in w), and the gains' sum differs from plan_drafts' only in float order. Per longest
+        draft K, as the loop plans: a model drafter's K forwards count against K's gains alone."""
+        s, T0, sums = self.min_speedup, st["t_ar"] + st["v"] + fixed, itertools.accumulate(probs)
+        return all(declines(max(st["wmax"] * probs[0], st["wmax"] * p) / s, st["wsum"] * total / s, st["t_ar"],
+                            st["c"], T0 + per_forward * K, T0 + per_forward * K)
+                   for K, (p, total) in enumerate(zip(probs, sums), 1))
 
     def _yield(self) -> float:
         """The share of the rows the drafter is asked for that it drafts for, shrunk toward 1 (a new
